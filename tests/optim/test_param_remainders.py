@@ -17,7 +17,7 @@ import torch
 from omnitron.backends import get_backend
 from omnitron.core.config.training import OptimizerConfig
 from omnitron.core.optim import MixedPrecisionOptimizer
-from omnitron.core.optim.moments import join_master, split_master
+from omnitron.core.optim.moments import join_master, master_finite, split_master
 from omnitron.core.parallel.groups import ParallelGroups
 from test_precision_aware import U32, _f32, _grads, _model, _te_step
 
@@ -51,6 +51,87 @@ def test_split_then_join_is_the_master_and_the_param_rounds_ties_away():
     word = master.view(torch.int32)
     even = ((word & 0xFFFF) == 0x8000) & ((word >> 16) & 1 == 0)  # the forced ties and any drawn as such
     assert torch.equal(param != master.bfloat16(), even), seed
+
+
+def _words(bits: list[int]) -> torch.Tensor:
+    """fp32 values from their 32-bit patterns (given unsigned)."""
+    return torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits], dtype=torch.int32).view(torch.float32)
+
+
+def _special_masters(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(NaNs, infs, finite values in fp32's top binade): the NaNs GPUs and CPUs write (0x7FFFFFFF, 0xFFFFFFFF,
+    0x7FC00000, 0xFFC00000), ones whose low half rounds up (0x7F80FFFF, 0x7FFF8000) and random ones of both signs;
+    the largest finite values, ties and the neighbours of bf16's overflow threshold, and random ones."""
+    nan_bits = [0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0xFFC00000, 0x7F80FFFF, 0x7FFF8000, 0xFFFF8000, 0x7FFF7FFF]
+    mant = torch.randint(1, 1 << 23, (64,), generator=gen)
+    sign = torch.randint(0, 2, (64,), generator=gen) << 31
+    nan_bits += [int(s) | 0x7F800000 | int(m) for s, m in zip(sign, mant)]
+    top = [0x7F7FFFFF, 0x7F7F8000, 0x7F7F7FFF, 0x7F7E8000, 0x7F7F0000, 0x7F000000]
+    top += [int(m) | 0x7F000000 for m in torch.randint(0, 1 << 23, (64,), generator=gen)]
+    top += [b | 0x80000000 for b in top]
+    return _words(nan_bits), _words([0x7F800000, 0xFF800000]), _words(top)
+
+
+def test_nan_and_inf_masters_stay_non_finite_and_large_ones_round_trip():
+    """TE's increment wraps 0x7FFF / 0xFFFF (NaN high halves) to a signed zero; here a NaN master's parameter stays
+    non-finite and joins back to a NaN, an inf is kept as it is, and the top binade's finite masters round trip exactly
+    with the parameter rounded ties away (inf beyond bf16's largest, as round to nearest even). The finite check
+    of the joined masters says which are finite, whatever the chunk."""
+    seed = _seed()
+    nans, infs, top = _special_masters(torch.Generator().manual_seed(seed))
+    for x, kind in ((nans, "nan"), (infs, "inf"), (top, "finite")):
+        master = x.clone()
+        param, rem = torch.empty(x.numel(), dtype=torch.bfloat16), torch.empty(x.numel(), dtype=torch.int16)
+        split_master(x, param, rem)
+        joined = join_master(param, rem)
+        if kind == "nan":  # the parameter: NaN, or inf for a NaN whose high half is 0x7F80 / 0xFF80 and low < 0x8000
+            assert not param.isfinite().any() and joined.isnan().all(), (seed, param, joined)
+        else:
+            assert torch.equal(joined.view(torch.int32), master.view(torch.int32)), seed
+        if kind == "inf":
+            assert torch.equal(param.float(), master), seed
+        if kind == "finite":
+            want = _ties_away(master)
+            want = torch.where(want.abs() >= 2.0 ** 128, want.sign() * torch.inf, want)  # beyond bf16's range
+            assert torch.equal(param.double(), want), seed
+            assert param.isinf().any()  # 0x7F7FFFFF: a finite master whose parameter is inf
+        for chunk in (1, 3, x.numel()):
+            assert bool(master_finite(param, rem, chunk)) is (kind == "finite"), (seed, kind, chunk)
+        for k in range(x.numel()):
+            assert bool(master_finite(param[k:k + 1], rem[k:k + 1], 1)) is bool(master[k].isfinite()), (seed, k)
+
+
+def test_pre_save_check_reads_the_joined_masters():
+    """--check-for-nan-in-loss-and-grad's check before a save: a NaN master (0x7FFFFFFF, what a GPU writes) kept as
+    a remainder refuses the save; a finite master whose bf16 parameter rounded to inf does not (its fp32 master is
+    what the checkpoint holds, and a run with fp32 masters saves it too)."""
+    from types import SimpleNamespace
+
+    from omnitron.core.training.loop import _check_before_save
+    from omnitron.core.training.nonfinite import NonFiniteError
+
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    for bits, refuses in ((0x7FFFFFFF, True), (0xFFFFFFFF, True), (0xFF800000, True), (0x7F7FFFFF, False)):
+        runs = []
+        for remainders in (True, False):
+            model = _model(seed % 1000)
+            opt = _optimizer(model, "fp32", remainders)
+            _grads(model, gen)
+            opt.step(1e-2)
+            j = int(torch.randint(0, len(opt.masters), (), generator=gen))
+            x = opt.saved_masters()[j].reshape(-1).clone()
+            x[int(torch.randint(0, x.numel(), (), generator=gen))] = _words([bits])[0]
+            opt.set_master(j, x)
+            c = SimpleNamespace(optimizer=opt, backend=get_backend("cpu"), iteration=3, groups=SimpleNamespace(rank=0),
+                                settings=SimpleNamespace(training=SimpleNamespace(check_for_nan_in_loss_and_grad=True)))
+            try:
+                _check_before_save(c)
+                runs.append(False)
+            except NonFiniteError as err:
+                assert str(err).startswith("iteration 3, rank 0: a weight is not finite, found before saving")
+                runs.append(True)
+        assert runs == [refuses, refuses], (seed, hex(bits), runs)
 
 
 def _optimizer(model, moments: str, remainders: bool) -> MixedPrecisionOptimizer:
@@ -91,6 +172,33 @@ def test_steps_equal_fp32_masters_bit_for_bit_and_float64_adam(moments):
     # 2 bytes of remainder per element beside the moments (fp16 ones with a 4-byte scale each)
     per = {"fp32": 8, "bf16": 4, "fp16": 4}[moments]
     assert opt.state_bytes() == sum((2 + per) * p.numel() + 8 * (moments == "fp16") for p in kept.parameters())
+
+
+def test_fp32_masters_beside_remainders_step_in_one_fused_launch(monkeypatch):
+    """With remainders and fp32 moments, the fp32 parameters' masters (no remainder) go through one fused launch
+    per group, not one at a time through the chunked path; the steps stay the fp32-master run's bit for bit."""
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    full, kept = _model(seed % 1000), _model(seed % 1000)
+    for m in (full, kept):
+        m[1].float()  # the norm in fp32: its weight and bias are their own masters
+    ref, opt = _optimizer(full, "fp32", False), _optimizer(kept, "fp32", True)
+    fp32 = [i for i, r in enumerate(opt.remainders) if r is None]
+    assert len(fp32) == 2 and all(opt.remainders[i] is not None for i in range(4) if i not in fp32)
+    kernels = opt.backend.kernels
+    calls, inner = [], kernels.adamw_step
+    monkeypatch.setattr(kernels, "adamw_step", lambda p, *a, **k: (calls.append([t.data_ptr() for t in p]),
+                                                                    inner(p, *a, **k)))
+    for step in range(3):
+        for p, q in zip(full.parameters(), kept.parameters()):
+            g = torch.randn(p.shape, generator=gen, dtype=torch.float64) * torch.exp2(torch.randint(-10, 5, p.shape,
+                                                                                                    generator=gen))
+            p.grad, q.grad = g.to(p.dtype), g.to(p.dtype)
+        ref.step(1e-2)
+        opt.step(1e-2)
+        for a, b in zip(opt.saved_masters(), ref.saved_masters()):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (seed, step)
+    assert [opt.masters[i].data_ptr() for i in fp32] in calls  # the 1-D masters share decay and rate: one launch
 
 
 def test_state_dict_holds_fp32_masters_and_loads_either_way():
@@ -140,9 +248,23 @@ def test_flags_turn_remainders_on_where_megatron_does(extra, on):
                               1).optim.store_param_remainders
 
 
+def _rounding_term(g, m, v, upd, *, step: int, cfg, eta: float) -> torch.Tensor:
+    """Bound on |upd(g') - upd(g)| for a gradient g' with |g' - g| <= eta |g| (the clipped bf16 gradient against
+    the float64 one): with m_hat = m / bc1, den = sqrt(v / bc2) + eps and upd = m_hat / den, m_hat moves by at most
+    (1 - b1) eta |g| / bc1; v by at most (1 - b2) g^2 ((1 + eta)^2 - 1) <= v rho, rho = eta (2 + eta), so
+    sqrt(v / bc2) and den (eps only adds) by at most rho den (1 - sqrt(1 - x) <= x for x <= 1); then
+    |m_hat' / den' - m_hat / den| <= (|d m_hat| + |m_hat| rho) / (den (1 - rho)) = ((1 - b1) eta |g| / (bc1 den)
+    + |upd| rho) / (1 - rho). ``g, m, v, upd``: float64, the reference step's (:func:`_te_step`'s)."""
+    b1, b2, eps = (_f32(x) for x in (cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps))
+    rho = eta * (2 + eta)
+    den = (v / (1 - b2 ** step)).sqrt() + eps
+    return ((1 - b1) * eta * g.abs() / ((1 - b1 ** step) * den) + upd.abs() * rho) / (1 - rho)
+
+
 def _bf16_grads_steps(args: list[str], seed: int) -> list[float]:
     """Each step's largest error / bound of the distributed optimizer's masters against the float64 FusedAdam, with
-    the bf16 gradient buffers (--main-grads-dtype bf16) read as they are."""
+    the bf16 gradient buffers (--main-grads-dtype bf16) read as they are and clipped in place (--clip-grad > 0:
+    the float64 reference clips the bf16 gradients read exactly by their float64 norm)."""
     from omnitron.backends import get_backend
     from omnitron.core.training.arguments import parse_settings
     from omnitron.core.training.components import build_components
@@ -161,20 +283,42 @@ def _bf16_grads_steps(args: list[str], seed: int) -> list[float]:
         m0 = [opt.moment("exp_avg", j).double() for j in range(len(before))]
         v0 = [opt.moment("exp_avg_sq", j).double() for j in range(len(before))]
         grads = [sl.grad.double() for sl in opt.slices]
-        opt.step(cfg.lr)
+        n = sum(g.numel() for g in grads)
+        norm = float(sum(g.square().sum() for g in grads).sqrt())  # exact squares, float64 sums: rel ~1e-16 n
+        coef = min(1.0, cfg.clip_grad / (norm + 1e-6)) if cfg.clip_grad > 0 else 1.0
+        # the step's norm sums the squares (exact in fp32: 8-bit significands) in fp32: relative error at most
+        # n u32 (recursive summation), halved by the sqrt, plus its rounding; the coefficient inherits it
+        eps_c = (n / 2 + 2) * U32
+        res = opt.step(cfg.lr)
+        assert abs(res.grad_norm - norm) <= eps_c * norm, (seed, step, res.grad_norm, norm)
+        # the coefficient c (1 + e_c) is rounded to fp32, the product g c in fp32, then to bf16 in place (unit
+        # 2^-8): relative error eta = (1 + eps_c) (1 + u32)^2 (1 + 2^-8) - 1 against the float64 g c; no
+        # clipping: the gradient is read exactly
+        eta = (1 + eps_c) * (1 + U32) ** 2 * (1 + 2.0 ** -8) - 1 if coef < 1.0 else 0.0
         ratio = 0.0
         for j, master in enumerate(opt.saved_masters()):
-            p, _, _, upd, spread = _te_step(before[j], grads[j], m0[j], v0[j], step=step, cfg=cfg,
-                                            decay=opt.decay[j])
-            # test_precision_aware's master bound (derived there): the bf16 gradient is read exactly
-            bound = U32 * (3 * before[j].abs() + p.abs() + _f32(cfg.lr) * (8 * upd.abs() + 3 * spread)) + 1e-300
+            g = grads[j] * coef
+            # the buffer holds the clipped gradient the step read (clipped in place, as Megatron's)
+            assert ((opt.slices[j].grad.double() - g).abs() <= eta * g.abs()).all(), (seed, step, j)
+            p, m, v, upd, spread = _te_step(before[j], g, m0[j], v0[j], step=step, cfg=cfg, decay=opt.decay[j])
+            d_upd = _rounding_term(g, m, v, upd, step=step, cfg=cfg, eta=eta)
+            # test_precision_aware's master bound (derived there), its update terms taken at the rounded gradient
+            # (upd within d_upd; spread's |g| grows by at most 1 + eta, its den shrinks by at most 1 - rho), plus the
+            # rounded gradient's change of the update, times lr
+            rho = eta * (2 + eta)
+            fp32 = U32 * (3 * before[j].abs() + p.abs()
+                          + _f32(cfg.lr) * (8 * (upd.abs() + d_upd) + 3 * spread * (1 + eta) / (1 - rho)))
+            bound = fp32 + _f32(cfg.lr) * d_upd * (1 + 2 * U32) + 1e-300
             ratio = max(ratio, float(((master.double() - p).abs() / bound).max()))
         worst.append(ratio)
     assert not opt._scratch_bufs  # no fp32 copy of the gradients was made
     return worst
 
 
-def test_bf16_main_grads_step_as_they_are(tmp_path):
+@pytest.mark.parametrize("clip", ["0", "0.3"])
+def test_bf16_main_grads_step_as_they_are(tmp_path, clip):
+    """bf16 main grads are clipped in place in bf16, as Megatron's clip_grad_by_total_norm_fp32 scales the
+    precision-aware optimizer's bf16 decoupled_grad views (multi_tensor_scale, grads onto themselves)."""
     from omnitron.testing.distributed import run_distributed
 
     seed = _seed()
@@ -183,7 +327,27 @@ def test_bf16_main_grads_step_as_they_are(tmp_path):
             "200", "--num-workers", "0", "--micro-batch-size", "1", "--train-iters", "2", "--no-tensorboard",
             "--data-cache-path", str(tmp_path / "cache"), "--bf16", "--use-distributed-optimizer",
             "--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16",
-            "--main-grads-dtype", "bf16", "--clip-grad", "0", "--weight-decay", "0.1", "--lr", "0.01",
+            "--main-grads-dtype", "bf16", "--clip-grad", clip, "--weight-decay", "0.1", "--lr", "0.01",
             "--adam-beta2", "0.95"]  # the beta test_precision_aware's bound is derived for
     worst = run_distributed(_bf16_grads_steps, 1, args, seed)[0]
     assert max(worst) <= 1.0, (seed, worst)
+
+
+def test_scaling_bf16_gradients_rounds_each_once():
+    """The clip's and the loss scaler's in-place scaling of bf16 gradients (--main-grads-dtype bf16): the fp32
+    product of the gradient (exact in fp32) and the fp32 factor, rounded to bf16 -- relative error at most
+    (1 + u32)^2 (1 + 2^-8) - 1 against the float64 product with the float64 factor (the factor's and the product's
+    fp32 roundings, then bf16's); a factor rounded to bf16 first would add up to 2^-8 more."""
+    from omnitron.core.optim.optimizer import _scale_
+
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    grads = [(torch.randn(n, generator=gen) * 2.0 ** -6).bfloat16() for n in (4096, 33, 1)]
+    for _ in range(4):
+        coef = float(torch.rand((), generator=gen, dtype=torch.float64)) * 0.99 + 0.005
+        want = [g.double() * coef for g in grads]
+        got = [g.clone() for g in grads]
+        _scale_(got, coef)
+        eta = (1 + U32) ** 2 * (1 + 2.0 ** -8) - 1
+        for g, w in zip(got, want):
+            assert ((g.double() - w).abs() <= eta * w.abs()).all(), (seed, coef)

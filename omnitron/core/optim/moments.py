@@ -16,8 +16,15 @@ a bf16 parameter's fp32 master is kept as the parameter itself plus the low 16 b
 bytes instead of 4. TE's kernel splits the master's bits into its high half ``hi`` and low half ``lo`` and stores
 ``hi + 1`` as the parameter when ``lo``'s top bit is set (the master rounded to bf16, ties away from zero), ``lo``
 as the remainder; reading undoes the increment when the remainder is negative (top bit set) and joins the halves.
-The pair determines the master exactly, so the step on the joined master is the fp32-master step bit for bit;
-the parameter differs from a round-to-nearest-even copy only where ``lo`` is exactly 0x8000 and ``hi`` even.
+For a finite master the pair determines it exactly, so the step on the joined master is the fp32-master step bit for
+bit, and the parameter differs from a round-to-nearest-even copy only where ``lo`` is exactly 0x8000 and ``hi``
+even (a master beyond bf16's largest value rounds to inf, as round to nearest even does). NaN and inf masters: an
+inf (``lo`` 0) is stored as it is. TE's increment wraps the int16 for the NaNs whose high half is 0x7FFF or 0xFFFF
+(0x7FFFFFFF is the NaN GPUs write), storing -0.0 or +0.0 -- a finite parameter for a NaN master; here such a high
+half is never incremented (any other's increment stays within the NaNs), so a NaN master's parameter is NaN too (or,
+as in TE, +-inf when the high half is 0x7F80 / 0xFF80 and the low half below 0x8000: the NaN's set mantissa bits are
+all in the dropped half), and it joins back to a NaN (not always the same payload). The master's finiteness is read
+from the joined value (:func:`master_finite`): a parameter rounded up to inf may belong to a finite master.
 """
 from __future__ import annotations
 
@@ -74,17 +81,29 @@ def store(t: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None, *, resca
 
 def join_master(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     """The fp32 master of flat bf16 ``param`` and its int16 ``remainder`` (TE's reconstruction; a new tensor)."""
+    # NOTE: arithmetic on the contiguous halves, then one strided copy each (strided int16 arithmetic is slow on CPU)
     halves = torch.empty((param.numel(), 2), dtype=torch.int16, device=param.device)
     halves[:, 0] = remainder  # NOTE: little-endian: the low half of an fp32 word comes first
-    halves[:, 1] = param.view(torch.int16)
-    halves[:, 1] -= (remainder < 0).to(torch.int16)  # undo the rounding up
+    halves[:, 1] = param.view(torch.int16) - (remainder < 0).to(torch.int16)  # undo the rounding up
     return halves.view(torch.float32).view(-1)
 
 
 def split_master(x: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -> None:
     """Store fp32 master ``x`` (flat, consumed) as bf16 ``param`` (rounded, ties away from zero) and its int16
-    ``remainder``: TE's split, exactly undone by :func:`join_master`."""
+    ``remainder``: TE's split, exactly undone by :func:`join_master` for every non-NaN master; a NaN master's
+    parameter is NaN or inf (TE's wraps to a zero for some, see the module docstring) and joins back to a NaN."""
     halves = x.view(torch.int16).view(-1, 2)
-    halves[:, 1] += (halves[:, 0] < 0).to(torch.int16)  # round up where the dropped half is >= 0x8000
     remainder.copy_(halves[:, 0])
-    param.view(torch.int16).copy_(halves[:, 1])
+    hi = param.view(torch.int16)
+    hi.copy_(halves[:, 1])  # NOTE: the arithmetic below runs on the contiguous copies (strided is slow on CPU)
+    # round up where the dropped half is >= 0x8000, except where the high half's magnitude bits are all ones (a NaN,
+    # whose increment would wrap to a signed zero)
+    hi += ((remainder < 0) & ((hi & 0x7FFF) != 0x7FFF)).to(torch.int16)
+
+
+def master_finite(param: torch.Tensor, remainder: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Whether every fp32 master joined from flat bf16 ``param`` and ``remainder`` is finite, a 0-dim bool tensor
+    on their device; joined ``chunk`` elements at a time (a bounded temporary, not an fp32 copy of the whole)."""
+    flags = [torch.isfinite(join_master(param[a:a + chunk], remainder[a:a + chunk])).all()
+             for a in range(0, param.numel(), chunk)]
+    return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=param.device)

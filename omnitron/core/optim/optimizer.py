@@ -17,8 +17,8 @@ import torch
 from omnitron.backends.collectives import ReduceOp
 from omnitron.core.config.training import OptimizerConfig
 from omnitron.core.optim.clip import clip_coefficient, global_count_zeros, global_grad_norm
-from omnitron.core.optim.moments import (absmax, join_master, new_scale, new_scales, split_master, state_dtype,
-                                         store, unscaled)
+from omnitron.core.optim.moments import (absmax, join_master, master_finite, new_scale, new_scales, split_master,
+                                         state_dtype, store, unscaled)
 
 MOMENT_CHUNK = 1 << 24
 """Elements per step of moments below fp32 and of masters kept as remainders, through fp32 copies (64 MiB each)."""
@@ -191,6 +191,13 @@ class MixedPrecisionOptimizer:
         return [m if r is None else join_master(m.view(-1), r).view(m.shape)
                 for m, r in zip(self.masters, self.remainders)]
 
+    def masters_finite(self) -> list[torch.Tensor]:
+        """Per master, whether all its fp32 values are finite (a 0-dim bool tensor, no host sync): a master kept as
+        a remainder is read joined, a chunk at a time (its bf16 parameter alone is no witness: a finite master near
+        fp32's largest rounds to an inf parameter)."""
+        return [torch.isfinite(m).all() if r is None else master_finite(m.view(-1), r, MOMENT_CHUNK)
+                for m, r in zip(self.masters, self.remainders)]
+
     def set_master(self, j: int, x: torch.Tensor) -> None:
         """Master ``j`` := fp32 ``x`` (its shape or flat): copied, or split into the parameter and its remainder
         (the parameter changes: the distributed optimizer's callers gather the parameters afterwards)."""
@@ -239,7 +246,7 @@ class MixedPrecisionOptimizer:
         grads = self._fp32_grads()
         scale = self.loss_scaler.scale if self.loss_scaler is not None else None
         if self.loss_scaler is not None:
-            torch._foreach_mul_(grads, 1.0 / scale)  # NOTE: in place: the step consumes the gradients
+            _scale_(grads, 1.0 / scale)  # NOTE: in place: the step consumes the gradients
             found_inf = self._found_inf(grads)
             if found_inf and check_norm is not None:
                 # NOTE: as Megatron, whose check of the gradients (on with a constant scale) runs before its scaler
@@ -255,7 +262,7 @@ class MixedPrecisionOptimizer:
         zeros = self._count_zeros(grads) if count_zeros else None
         coef = self._clip_coefficient(norm)
         if not coef >= 1.0:  # NOTE: also NaN (a NaN norm must not leave the gradients unclipped)
-            torch._foreach_mul_(grads, coef)
+            _scale_(grads, coef)
         self.step_count += 1
         self.weight_decay = self.config.weight_decay if weight_decay is None else weight_decay
         rates = [decoupled_lr if d and decoupled_lr is not None else lr for d in self.decoupled]
@@ -282,28 +289,35 @@ class MixedPrecisionOptimizer:
                 p.data.copy_(m)
 
     def _adamw(self, grads: list[torch.Tensor], rates: list[float], only: list[int] | None = None) -> None:
-        """One fused AdamW launch per (weight decay, rate) group; ``rates``: each master's learning rate;
-        ``only``: the masters to step (default: all)."""
+        """One fused AdamW launch per (weight decay, rate) group for the masters that step in fp32 directly, and
+        :meth:`_adamw_low` for each of the others; ``rates``: each master's learning rate; ``only``: the masters to
+        step (default: all)."""
         c = self.config
         keys = {i: (self.decay[i], rates[i]) for i in (range(len(self.masters)) if only is None else only)}
-        low = self._steps_low()
         for decay, lr in dict.fromkeys(keys.values()):
             idx = [i for i, key in keys.items() if key == (decay, lr)]
             step = functools.partial(self.backend.kernels.adamw_step, step=self.step_count, lr=lr,
                                      beta1=c.adam_beta1, beta2=c.adam_beta2, eps=c.adam_eps,
                                      weight_decay=self.weight_decay if decay else 0.0)
-            if low:
-                for i in idx:
+            fused = [i for i in idx if not self._steps_low_at(i)]
+            for i in idx:
+                if self._steps_low_at(i):
                     self._adamw_low(i, grads[i], step)
-            else:
-                step([self.masters[i] for i in idx], [grads[i] for i in idx],
-                     [self.state["exp_avg"][i] for i in idx], [self.state["exp_avg_sq"][i] for i in idx])
+            if fused:
+                step([self.masters[i] for i in fused], [grads[i] for i in fused],
+                     [self.state["exp_avg"][i] for i in fused], [self.state["exp_avg_sq"][i] for i in fused])
 
     def _steps_low(self) -> bool:
-        """Whether Adam steps through :meth:`_adamw_low` (a moment below fp32, or a master kept as a remainder)."""
+        """Whether Adam steps any master through :meth:`_adamw_low` (a moment below fp32, or a master kept as a
+        remainder)."""
+        return any(self._steps_low_at(i) for i in range(len(self.masters)))
+
+    def _steps_low_at(self, i: int) -> bool:
+        """Whether Adam steps master ``i`` through :meth:`_adamw_low`: moments below fp32 (all masters), or this
+        master kept as a remainder. The others (fp32 moments and master) go through the fused launch."""
         return (self.config.optimizer in ("adam", "adamw")
                 and (any(state_dtype(self.config, k) != torch.float32 for k in MOMENTS)
-                     or any(r is not None for r in self.remainders)))
+                     or self.remainders[i] is not None))
 
     def _adamw_low(self, i: int, grad: torch.Tensor, step) -> None:
         """Master ``i``'s step with moments below fp32 or a master kept as a remainder, through fp32 copies of at
@@ -462,6 +476,15 @@ class ShardedOverDataParallel:
     def _count_zeros(self, grads: list[torch.Tensor]) -> int:
         return global_count_zeros(self._owners(), grads, self.groups, self.backend.collectives, self.duplicates,
                                   reduce_over=(self.groups.dp_cp, self.groups.mp), device=self.backend.current_device())
+
+
+def _scale_(grads: list[torch.Tensor], coef: float) -> None:
+    """Multiply ``grads`` by ``coef`` in place (the loss scaler's unscaling, the clip), each element computed in fp32
+    and rounded once to its dtype, as Megatron's multi_tensor_scale with an fp32 factor scales bf16 main grads. The
+    factor goes as an fp32 tensor: CPU's ``_foreach_mul_`` rounds a Python number to a bf16 list's dtype first, a
+    second rounding (up to 2^-8) of every scaled gradient."""
+    if grads:
+        torch._foreach_mul_(grads, torch.full((), coef, dtype=torch.float32, device=grads[0].device))
 
 
 def _chunk_step(pieces: list[torch.Tensor], rem: torch.Tensor | None, step, old: list, fresh: list | None):

@@ -227,7 +227,7 @@ def _guarded_step(c, train_iter, timers: Timers, logs: bool) -> dict:
 def _check_before_save(c) -> None:
     """No checkpoint of non-finite weights (--check-for-nan-in-loss-and-grad; collective over the world)."""
     if c.settings.training.check_for_nan_in_loss_and_grad and not weights_finite(
-            c.optimizer.masters, c.backend.collectives, c.backend.current_device()):
+            c.optimizer.masters_finite(), c.backend.collectives, c.backend.current_device()):
         raise NonFiniteError("a weight", "not finite", "found before saving: the checkpoint was not written").at(
             c.iteration, c.groups.rank)
 

@@ -56,11 +56,10 @@ def check_grad_norm(norm: float, enabled: bool = True, loss_scale: float | None 
 
 
 @torch.no_grad()
-def weights_finite(tensors, collectives, device=None) -> bool:
-    """True when every rank's ``tensors`` (its optimizer's fp32 masters: what a step updates, and, sliced
-    under the distributed optimizer, no pending gather to race) are all finite. One MAX all-reduce over the
-    world: call on every rank."""
-    flags = [torch.isfinite(t).all() for t in tensors if t.numel()]
+def weights_finite(flags, collectives, device=None) -> bool:
+    """True when every rank's ``flags`` (0-dim bool tensors, its optimizer's ``masters_finite()``: the fp32 masters
+    a step updates, and, sliced under the distributed optimizer, no pending gather to race) are all true. One MAX
+    all-reduce over the world: call on every rank."""
     bad = torch.stack(flags).logical_not().any().float().reshape(1) if flags else torch.zeros(1, device=device)
     if collectives.is_initialized():
         collectives.all_reduce(bad, op=ReduceOp.MAX)
