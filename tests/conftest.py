@@ -88,12 +88,10 @@ def _threads_share():
     """A test that changed torch's threads in this process (``omnitron train`` sets them from the cores, a test
     sets 1) leaves the next test the count it found: with or without xdist, a later test's CPU sums (and so a
     chaotic training run's final loss) must not depend on which tests ran before it in the same process."""
-    import torch
+    from omnitron.testing.threads import kept_torch_threads
 
-    before = torch.get_num_threads()
-    yield
-    if torch.get_num_threads() != before:
-        torch.set_num_threads(before)
+    with kept_torch_threads():
+        yield
 
 
 def _prepare_musa_double(name: str) -> None:
