@@ -85,14 +85,13 @@ def _share_the_cores() -> None:
 
 @pytest.fixture(autouse=True)
 def _threads_share():
-    """A test that launched training in this process (``omnitron train`` sets torch's threads from the cores)
-    leaves the worker at its share again."""
-    yield
-    if _THREADS is not None:
-        import torch
+    """A test that changed torch's threads in this process (``omnitron train`` sets them from the cores, a test
+    sets 1) leaves the next test the count it found: with or without xdist, a later test's CPU sums (and so a
+    chaotic training run's final loss) must not depend on which tests ran before it in the same process."""
+    from omnitron.testing.threads import kept_torch_threads
 
-        if torch.get_num_threads() != _THREADS:
-            torch.set_num_threads(_THREADS)
+    with kept_torch_threads():
+        yield
 
 
 def _prepare_musa_double(name: str) -> None:

@@ -17,6 +17,7 @@ from omnitron.core.precision.fp8 import FP8Config, FP8Linear, linear_modules
 from omnitron.core.precision.fp8.linear import FP8Linear as _Exec
 from omnitron.core.precision.fp8.scaling import AmaxReducer
 from omnitron.testing.distributed import run_distributed
+from omnitron.testing.threads import torch_threads
 from te_delayed_reference import Slot, replay
 
 HIST = 3
@@ -90,8 +91,9 @@ def _train_logged(root: str, micro: int, world: int, *extra) -> tuple[list, dict
     from omnitron.core.training.arguments import parse_settings
     from omnitron.core.training.loop import train
 
-    torch.set_num_threads(1)
-    with _Log() as log:
+    # one thread for this run only: set and left, it changed the rounding of every later in-process training
+    # (test_training.py's FP8-vs-bf16 losses moved by up to 0.2% after this file)
+    with torch_threads(1), _Log() as log:
         result = train(parse_settings(_args(root, micro, *extra), world), get_backend())
     names = {s: (n, r) for n, m in linear_modules(result["components"].modules)
              if isinstance(getattr(m, "fp8", None), FP8Linear) for r, s in m.fp8.states.items()}
