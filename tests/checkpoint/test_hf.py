@@ -417,3 +417,12 @@ def test_import_of_a_head_dim_other_than_hidden_over_heads(tmp_path, capsys):
     tokens = _tokens(5)
     torch.testing.assert_close(_omnitron_logits(str(tmp_path / "ck" / "iter_0000000"), tokens),
                                _hf_logits(model, tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_a_config_without_tie_word_embeddings_is_untied_as_transformers_reads_it():
+    """config.json without ``tie_word_embeddings``: transformers' LlamaConfig default decides (reference: the
+    installed transformers), and omnitron's untie flag is its negation."""
+    hf = dict(model_type="llama", hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=48,
+              vocab_size=V)
+    tied = transformers.LlamaConfig(**{k: v for k, v in hf.items() if k != "model_type"}).tie_word_embeddings
+    assert config_from_hf(hf).untie_embeddings_and_output_weights is (not tied)
