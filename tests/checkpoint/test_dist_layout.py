@@ -13,7 +13,8 @@ import random
 import pytest
 import torch
 
-from omnitron.core.checkpoint.dist_layout import flat_boxes, global_shape, shard_pieces, slice_pieces, tp_writer
+from omnitron.core.checkpoint.dist_layout import (flat_boxes, global_shape, row_pieces, shard_pieces, slice_pieces,
+                                                   tp_writer)
 from omnitron.core.parallel.tensor.sharding import set_attributes, shard_param
 
 CASES = {  # (full shape, parallel, dim, stride, valid rows[, MoE expert])
@@ -23,6 +24,7 @@ CASES = {  # (full shape, parallel, dim, stride, valid rows[, MoE expert])
     "row": ((6, 8), True, 1, 1, None),
     "swiglu": ((16, 3), True, 0, 2, None),
     "vocab": ((16, 4), True, 0, 1, 13),
+    "vocab_pad_shard": ((16, 4), True, 0, 1, 8),  # at tp 4 the shards past row 8 are wholly padding
     "replicated": ((7,), False, -1, 1, None),
     "3d": ((4, 6, 3), True, 1, 2, None),
 }
@@ -47,7 +49,8 @@ def _tile(pieces_per_rank, shape):
     out = torch.full(shape, float("nan"), dtype=torch.float64)
     hits = torch.zeros(shape, dtype=torch.int64)
     for pieces in pieces_per_rank:
-        for off, view in pieces:
+        for off, view in pieces:  # DCP refuses a chunk outside its tensor; an empty one is no piece
+            assert view.numel() and all(0 <= o and o + z <= n for o, z, n in zip(off, view.shape, shape)), off
             idx = tuple(slice(o, o + z) for o, z in zip(off, view.shape))
             out[idx] = view
             hits[idx] += 1
@@ -75,7 +78,8 @@ def test_pieces_tile_the_global_tensor(name, tp):
 
 def _check_tiling(per_rank, want, seed) -> list[int]:
     """``per_rank[r]``: rank r's ``[(parameter, (tp, r), local tensor, written on save)]``. The written
-    pieces -- of the whole tensors, and of random distributed-optimizer flat slices of them -- tile
+    pieces -- of the whole tensors, of random distributed-optimizer flat slices of them and of random FSDP2
+    row shards of them (:func:`row_pieces`) -- each non-empty and inside the global tensor, tile
     ``want`` exactly once; each rank's own pieces on load hold ``want``'s values. Returns how many
     elements each rank reads on load."""
     written = [e for entries in per_rank for e in entries if e[3]]
@@ -84,13 +88,19 @@ def _check_tiling(per_rank, want, seed) -> list[int]:
     loaded = []
     for entries in per_rank:
         got, hits = _tile([shard_pieces(p, tp, t) for p, tp, t, _ in entries], want.shape)
-        assert int(hits.max()) == 1 and torch.equal(got[hits == 1], want[hits == 1])
+        assert int(hits.max()) <= 1 and torch.equal(got[hits == 1], want[hits == 1])  # <: a shard of padding
         loaded.append(int(hits.sum()))
     rng, pieces = random.Random(seed), []
     for p, tp, t, _ in written:
         flat, n = t.reshape(-1), t.numel()
         cuts = sorted({0, n, *(rng.randrange(n + 1) for _ in range(3))})
         pieces += [slice_pieces(p, tp, flat[a:b], a) for a, b in zip(cuts, cuts[1:])]
+    got, hits = _tile(pieces, want.shape)
+    assert torch.equal(hits, torch.ones_like(hits)) and torch.equal(got, want)
+    pieces = []  # FSDP2: each data-parallel rank holds rows [r0, r1) of the local tp shard
+    for p, tp, t, _ in written:
+        cuts = sorted({0, t.shape[0], *(rng.randrange(t.shape[0] + 1) for _ in range(2))}) if t.dim() else [0, 1]
+        pieces += [row_pieces(p, tp, t[a:b] if t.dim() else t, a) for a, b in zip(cuts, cuts[1:])]
     got, hits = _tile(pieces, want.shape)
     assert torch.equal(hits, torch.ones_like(hits)) and torch.equal(got, want)
     return loaded

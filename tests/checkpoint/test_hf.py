@@ -399,3 +399,30 @@ def test_dense_yarn_export_is_refused():
     for kw in (dict(), dict(add_bias_linear=False, add_qkv_bias=True)):
         with pytest.raises(HFConversionError, match="--rotary-scaling-factor 4.0; a Hugging Face llama model"):
             config_to_hf(llama_tiny(position_embedding_type="yarn", rotary_scaling_factor=4.0, **kw))
+
+
+def test_import_of_a_head_dim_other_than_hidden_over_heads(tmp_path, capsys):
+    """A Llama whose ``head_dim`` is not hidden / heads (16, not 32 / 4: q/k/v project to 64 channels, o_proj back
+    to 32) imports as --kv-channels 16 and gives transformers' logits (float32: atol as the tp1 import above)."""
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, vocab_size=V, max_position_embeddings=32,
+                                   tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(3)
+    model = transformers.LlamaForCausalLM(cfg)
+    _perturb(model, 3)
+    model.eval()
+    model.save_pretrained(str(tmp_path / "hf"))
+    assert config_from_hf(cfg.to_dict()).kv_channels == 16
+    assert cli(["checkpoint", "import-hf", "--hf-dir", str(tmp_path / "hf"), "--save", str(tmp_path / "ck")]) == 0
+    tokens = _tokens(5)
+    torch.testing.assert_close(_omnitron_logits(str(tmp_path / "ck" / "iter_0000000"), tokens),
+                               _hf_logits(model, tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_a_config_without_tie_word_embeddings_is_untied_as_transformers_reads_it():
+    """config.json without ``tie_word_embeddings``: transformers' LlamaConfig default decides (reference: the
+    installed transformers), and omnitron's untie flag is its negation."""
+    hf = dict(model_type="llama", hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=48,
+              vocab_size=V)
+    tied = transformers.LlamaConfig(**{k: v for k, v in hf.items() if k != "model_type"}).tie_word_embeddings
+    assert config_from_hf(hf).untie_embeddings_and_output_weights is (not tied)

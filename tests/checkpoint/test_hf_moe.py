@@ -406,3 +406,16 @@ def test_deepseek_export_warns_of_the_latent_norms_epsilon(eps, tmp_path, capsys
         return
     assert len(warnings) == 1 and "--norm-epsilon 1e-05" in warnings[0] and "eps 1e-6" in warnings[0], warnings
     assert "q_a_layernorm" in warnings[0] and "kv_a_layernorm" in warnings[0]
+
+
+def test_gpt_oss_experts_stack_in_numeric_order():
+    """Ten or more experts: stacking follows the expert number (0, 1, 2, ..., 10, 11), not its text, and
+    unstacking gives each expert's own tensor back (reference: torch.stack of the per-expert tensors in order)."""
+    from omnitron.core.checkpoint.hf_moe import stack_gpt_oss_experts, unstack_gpt_oss_experts
+
+    per = {e: torch.randn(2, 3, dtype=torch.float64) for e in range(12)}
+    name = "model.layers.0.mlp.experts.{}.down_proj"
+    stacked = stack_gpt_oss_experts({name.format(e): t for e, t in sorted(per.items(), key=lambda kv: -kv[0])})
+    assert torch.equal(stacked["model.layers.0.mlp.experts.down_proj"], torch.stack([per[e] for e in range(12)]))
+    back = unstack_gpt_oss_experts(stacked)
+    assert all(torch.equal(back[name.format(e)], per[e]) for e in range(12))

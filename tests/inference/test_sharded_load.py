@@ -165,3 +165,17 @@ def test_an_index_without_row_layouts_still_loads(tmp_path, monkeypatch):
     for (name, p), q in zip(a.model.named_parameters(), b.model.parameters()):
         assert torch.equal(p, q), name
     assert a.read_bytes < b.read_bytes, (a.read_bytes, b.read_bytes)
+
+
+@pytest.mark.parametrize("cols,itemsize", [(2048, 4), (4096, 2), (8192, 1), (6144, 2)])
+def test_a_tp_column_slice_starts_and_ends_on_piece_boundaries(cols, itemsize):
+    """Hand-derived from piece_bytes' contract: when a row's 1/8 is at least MIN_PIECE bytes and whole elements,
+    each tp rank's column slice at tp 2, 4 and 8 begins and ends on a piece boundary (so it reads no other
+    rank's bytes); a block large enough never cuts further."""
+    from omnitron.core.checkpoint.dist_slices import MIN_PIECE, piece_bytes
+
+    row = cols * itemsize
+    piece = piece_bytes((3, cols), itemsize, block=1 << 30)
+    assert row // 8 >= MIN_PIECE and piece >= MIN_PIECE
+    for tp in (2, 4, 8):
+        assert (row // tp) % piece == 0, (tp, row, piece)
