@@ -12,7 +12,10 @@
 // episode number, G, k, the operation, and this process's count of issued collectives per group, frozen while it
 // is blocked) and follows the members' records; a chain of such waits that returns to this rank is reported by its
 // lowest rank once every record was read twice, the same both times: at one instant (between the passes) every
-// rank of the cycle was blocked and none had issued what the previous one waits for; none ever will. ASSUMED, as
+// rank of the cycle was blocked and none had issued what the previous one waits for; none ever will. Every
+// change of a record bumps "simccl/cwait/version"; a poll whose version is the last search's searches nothing and
+// backs off (SearchPace, comm.h): a legal long wait costs each rank two reads a second, not one per member every
+// 0.1 s, and a cycle is reported within about a second of closing. ASSUMED, as
 // in wait_cycle.cpp: one thread issues a rank's collectives on the sim device (a second thread issuing the awaited
 // collective while the first is blocked would make a report false). A wait that is not blocked for kQuiet costs
 // no store traffic; a collective costs one counter update.
@@ -31,10 +34,13 @@ namespace {
 
 constexpr std::chrono::milliseconds kQuiet{100};
 const char kAbsent[] = "\x01";
+const char kVersionKey[] = "simccl/cwait/version";  // bumped at every change of a record
+std::atomic<int64_t> g_store_ops{0};
 
 std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
 
 std::string peek(c10d::Store& store, const std::string& key) {  // the value, or kAbsent (never blocks)
+  count_wait_store_ops();
   auto got = store.compareSet(key, bytes(kAbsent), bytes(kAbsent));
   return {got.begin(), got.end()};
 }
@@ -120,7 +126,27 @@ bool find_cycle(int me, int at, c10d::Store& store, std::map<int, Record>& recor
   return false;
 }
 
+// Set this rank's record to ``value`` and bump the version (after: a search that read the old version sees it).
+void set_record(c10d::Store& store, int global, const std::string& value) {
+  count_wait_store_ops(2);
+  store.set(record_key(global), bytes(value));
+  store.add(kVersionKey, 1);
+}
+
 }  // namespace
+
+int64_t wait_store_ops() { return g_store_ops.load(); }
+void count_wait_store_ops(int64_t n) { g_store_ops.fetch_add(n); }
+
+bool SearchPace::due(int64_t version) {
+  if (version != searched) {
+    searched = version;
+    interval = kFirst;
+    return true;
+  }
+  interval = std::min(interval * 2, kMost);
+  return false;
+}
 
 void note_collective_issued(const std::string& group, int64_t k) {
   std::lock_guard<std::mutex> lock(g_issued_mutex);
@@ -151,15 +177,18 @@ std::string CollectiveWait::poll() {
     since_ = searched_ = now;
     return "";
   }
-  if (now - since_ < kQuiet || now - searched_ < kQuiet) return "";
+  if (now - since_ < kQuiet || now - searched_ < pace_.interval) return "";
   searched_ = now;
   if (!store_) store_ = job_store(group_store_);
   std::string told = peek(*store_, deadlock_key(global_));
   if (told != kAbsent && !told.empty()) {
+    count_wait_store_ops();
     store_->deleteKey(deadlock_key(global_));
     return told;
   }
   if (record_.empty() && !publish()) return "";
+  count_wait_store_ops();
+  if (!pace_.due(store_->add(kVersionKey, 0))) return "";  // no record changed since the last search began
   std::map<int, Record> records{{global_, decode(record_)}};
   std::vector<int> cycle{global_};
   if (!find_cycle(global_, global_, *store_, records, cycle)) return "";
@@ -171,6 +200,7 @@ std::string CollectiveWait::poll() {
     for (int m : records[r].members)
       if (m != global_ && std::find(told_ranks.begin(), told_ranks.end(), m) == told_ranks.end()) {
         told_ranks.push_back(m);  // every member of the cycle's groups: on NCCL they hang at their next one
+        count_wait_store_ops();
         store_->set(deadlock_key(m), bytes(report));
       }
   return report;
@@ -190,14 +220,14 @@ bool CollectiveWait::publish() {
     for (const auto& [group, n] : g_issued) os << group << '\x1f' << n << '\x1e';
   }
   record_ = os.str();
-  store_->set(record_key(global_), bytes(record_));
+  set_record(*store_, global_, record_);
   return true;
 }
 
 void CollectiveWait::leave() {
   if (record_.empty() || !store_) return;
   try {
-    store_->set(record_key(global_), bytes("-"));  // not deleted: a peer's pass 2 sees the change
+    set_record(*store_, global_, "-");  // not deleted: a peer's pass 2 sees the change
   } catch (const std::exception&) {  // the store is gone: the job is ending
   }
   record_.clear();

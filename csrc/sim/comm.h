@@ -143,6 +143,22 @@ struct GlobalReplay {
                    bool search);
 };
 
+// ---- the pace of a blocked wait's searches (collective_wait.cpp, wait_cycle.cpp) ------------------------
+// A wait blocked in a legal long wait (rank 0 writing a checkpoint while the others sit in an all-reduce) must not
+// flood the job's store: every record change bumps a version counter in the store, a search runs only when the
+// version moved since the last one began (the records it follows are then as they were: the same answer), and the
+// polls back off from kFirst to kMost while nothing moves (back to kFirst when something does).
+struct SearchPace {
+  static constexpr std::chrono::milliseconds kFirst{100}, kMost{1000};
+  std::chrono::milliseconds interval = kFirst;
+  int64_t searched = -1;  // the version read before the last search
+  // Whether a search is due now, given the ``version`` just read; advances the backoff when it is not.
+  bool due(int64_t version);
+};
+// Store operations of blocked waits' records in this process (tests bound the traffic of a legal long wait).
+int64_t wait_store_ops();
+void count_wait_store_ops(int64_t n = 1);
+
 // ---- cycles closed by wait() (wait_cycle.cpp) ------------------------------------------------------
 // A wait() on an unbatched operation issued before its peer's counterpart (await_pair_place): polled while it is
 // blocked, it publishes what it waits for after a while and looks for a cycle of such waits through this rank.
@@ -161,6 +177,7 @@ class BlockedWait {
   int rank_, peer_;
   std::string key_, op_, record_;  // record_: as published ("" before)
   std::chrono::steady_clock::time_point since_, searched_;
+  SearchPace pace_;
   std::mutex mu_;  // poll() runs on the watchdog for batched waits while the issuing thread may leave()
   bool left_ = false;  // leave() ran: a later poll() publishes nothing
 };
@@ -192,6 +209,7 @@ class CollectiveWait {
   int64_t k_;
   bool started_ = false;
   std::chrono::steady_clock::time_point since_, searched_;
+  SearchPace pace_;
 };
 
 }  // namespace sim

@@ -16,8 +16,11 @@
 // none ever is. ASSUMED: one thread issues a communicator's point-to-point operations (true of the engine: MoE's
 // overlap threads take turns, the async checkpoint writer talks over gloo); a second thread posting the
 // counterpart while the first is blocked would make a report false. Never a false report; a wait() that is not
-// blocked for kQuiet costs no store traffic. The same holds for a batched operation (batch_isend_irecv): its wait()
-// blocks in gloo until the peer posts the counterpart, and the device's watchdog polls it (comm_queue.cpp).
+// blocked for kQuiet costs no store traffic; one blocked longer searches only when a record of the group changed
+// since its last search began (each change bumps "simccl/blocked/version"), polling with backoff (SearchPace,
+// comm.h) meanwhile: two reads a second in a legal long wait. The same holds for a batched operation
+// (batch_isend_irecv): its wait() blocks in gloo until the peer posts the counterpart, and the device's watchdog
+// polls it (comm_queue.cpp).
 #include "comm.h"
 
 #include <algorithm>
@@ -35,10 +38,18 @@ const char kAbsent[] = "\x01";  // compareSet's answer for a key that does not e
 std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
 
 std::string blocked_key(int rank) { return "simccl/blocked/" + std::to_string(rank); }
+const char kVersionKey[] = "simccl/blocked/version";  // bumped at every change of a record of the group
+
+void set_record(c10d::Store& store, int rank, const std::string& value) {  // then the version: see SearchPace
+  count_wait_store_ops(2);
+  store.set(blocked_key(rank), bytes(value));
+  store.add(kVersionKey, 1);
+}
 
 // The value at ``key``, or kAbsent: compareSet with an expected value no key holds never writes, and unlike
 // check() then get() cannot block when the owner deletes the key between the two.
 std::string peek(c10d::Store& store, const std::string& key) {
+  count_wait_store_ops();
   auto got = store.compareSet(key, bytes(kAbsent), bytes(kAbsent));
   return {got.begin(), got.end()};
 }
@@ -82,18 +93,21 @@ void BlockedWait::enter() {
   std::lock_guard<std::mutex> lock(mu_);
   since_ = searched_ = std::chrono::steady_clock::now();
   left_ = false;
+  pace_ = SearchPace{};
 }
 
 CycleReport BlockedWait::poll() {
   std::lock_guard<std::mutex> lock(mu_);
   if (left_) return {};
   auto now = std::chrono::steady_clock::now();
-  if (now - since_ < kQuiet || now - searched_ < kQuiet) return {};
+  if (now - since_ < kQuiet || now - searched_ < pace_.interval) return {};
   searched_ = now;
   if (record_.empty()) {
     record_ = std::to_string(g_episode.fetch_add(1)) + "\t" + std::to_string(peer_) + "\t" + key_ + "\t" + op_;
-    store_->set(blocked_key(rank_), bytes(record_));
+    set_record(*store_, rank_, record_);
   }
+  count_wait_store_ops();
+  if (!pace_.due(store_->add(kVersionKey, 0))) return {};  // no record changed since the last search began
   // pass 1: follow the records from this rank's peer until the chain returns here
   std::map<int, std::string> raw{{rank_, record_}};
   std::map<int, Record> records{{rank_, decode(record_)}};
@@ -121,7 +135,7 @@ void BlockedWait::leave() {
   if (record_.empty()) return;
   record_.clear();
   try {
-    store_->set(blocked_key(rank_), bytes("-"));  // not deleted: a peer's pass 2 sees the change
+    set_record(*store_, rank_, "-");  // not deleted: a peer's pass 2 sees the change
   } catch (const std::exception&) {  // the store is gone: the job is ending
   }
 }

@@ -17,12 +17,14 @@ from tests.sim.test_sim_group_order import BRIEF_RING, ENV
 pytestmark = [requires_sim(), pytest.mark.multiprocess, pytest.mark.planted]
 
 
-def ring_on_a_with_b_pending() -> dict:
+def ring_on_a_with_b_pending(world_ring: bool = False) -> dict:
     """Ranks 0 and 1 post their side of the ring on group A, then receives from rank 2 on group B, and destroy B
     (whose release waits for B's pending batch), A and the world one by one. Rank 2 posts its side of the ring 0.2 s
     later, so A's cycle is found while ranks 0 and 1 are in B's release; it waits for its ring, sleeps a second (A's
     report breaks its device meanwhile, so its post on B raises it), posts B's sends and destroys the groups. Per
-    step ("post", "B", "A", "world"): "" or the error; and A's name."""
+    step ("post", "B", "A", "world"): "" or the error; and A's name. ``world_ring``: first a subgroup S used and
+    destroyed mid-run, then a legal ring of batches on another group G (its "legal" step: "" or the error), before
+    A's ring; G is destroyed after B (its "G" step)."""
     import time
 
     import torch.distributed as dist
@@ -36,10 +38,25 @@ def ring_on_a_with_b_pending() -> dict:
         return dist.batch_isend_irecv([dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, group)
                                        for kind, t, peer in ops])
 
+    out = {"legal": ""}
+    if world_ring:
+        g, s = dist.new_group([0, 1, 2]), dist.new_group([0, 1, 2])
+        dist.all_reduce(torch.ones(2, device=dev), group=s)
+        dist.destroy_process_group(s)  # mid-run: the job goes on
+        try:  # a legal ring: each rank's send and receive in one batch
+            ring = [("send", torch.ones(4, device=dev), (me + 1) % 3),
+                    ("recv", torch.zeros(4, device=dev), (me - 1) % 3)]
+            for w in post(g, ring):
+                w.wait()
+            dist.all_reduce(torch.ones(2, device=dev), group=g)
+            time.sleep(0.5)  # a report that came (none should) reaches G's watchdog
+        except RuntimeError as err:
+            out["legal"] = str(err)
+
     if me == 2:
         time.sleep(0.2)
     works = [w for batch in BRIEF_RING[me] for w in post(a, [(k, torch.zeros(4, device=dev), p) for k, p, _ in batch])]
-    out = {"name": a.group_name, "post": ""}
+    out.update(name=a.group_name, post="")
     try:
         if me < 2:
             post(b, [("recv", torch.zeros(4, device=dev), 2)])  # never waited
@@ -50,7 +67,8 @@ def ring_on_a_with_b_pending() -> dict:
             post(b, [("send", torch.ones(4, device=dev), r) for r in (0, 1)])
     except RuntimeError as err:
         out["post"] = str(err)
-    for step, group in (("B", b), ("A", a), ("world", None)):
+    steps = (("B", b), ("G", g), ("A", a), ("world", None)) if world_ring else (("B", b), ("A", a), ("world", None))
+    for step, group in steps:
         try:
             dist.destroy_process_group(group)
             out[step] = ""
@@ -65,6 +83,19 @@ def test_a_report_surfaces_once_on_its_own_group():
     report arrives, raised A's report before (and A's destroy then raised nothing)."""
     for r in run_distributed(ring_on_a_with_b_pending, 3, backend="sim", env=ENV, timeout_s=150):
         said = [step for step in ("post", "B", "A", "world") if r[step]]
+        assert len(said) == 1 and said[0] in ("post", "A"), r
+        m = r[said[0]]
+        assert "\n" not in m and "sim: point-to-point cycle deadlock on group '" in m, r
+        assert r["name"] in m and m.count("test_sim_shutdown_reports.py") == 6, r
+
+
+def test_a_subgroup_destroyed_mid_run_does_not_end_the_job():
+    """A subgroup destroyed mid-run does not switch report-keeping on for the groups still in use: the legal ring on
+    G after it reports nothing, at its operations or at G's destroy, and the later ring's cycle on A is
+    raised exactly once per rank, by A (at rank 2's post on B, or at A's destroy)."""
+    for r in run_distributed(ring_on_a_with_b_pending, 3, True, backend="sim", env=ENV, timeout_s=150):
+        assert r["legal"] == "" and r["G"] == "", r
+        said = [step for step in ("post", "B", "G", "A", "world") if r[step]]
         assert len(said) == 1 and said[0] in ("post", "A"), r
         m = r[said[0]]
         assert "\n" not in m and "sim: point-to-point cycle deadlock on group '" in m, r

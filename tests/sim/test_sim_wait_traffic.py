@@ -1,0 +1,80 @@
+"""The store traffic of a legal long wait (csrc/sim/collective_wait.cpp, wait_cycle.cpp; SearchPace in comm.h).
+
+A wait() blocked 0.1 s publishes a record for the cycle search. Rank 0 writing a checkpoint while the others sit in
+an all-reduce (or a receive) is legal, and used to cost each waiting rank a compareSet plus one read per member
+every 0.1 s (N*(N+1)*10 store operations a second on the TCPStore, ~42k/s at N = 64). Now a search runs only when a
+record changed since the last one began, and the polls back off from 0.1 s to 1 s.
+
+Bound, derived (per waiting rank, in the window [WINDOW_S[0], WINDOW_S[1]] after the phase's barrier): every rank
+blocks and publishes within ~0.2 s (LATE_S = 0.8 s allowed on a loaded machine); after the last record change r the
+polls come at r + 0.1, 0.3, 0.7, 1.5, 2.5 s (intervals doubling to 1 s), so with r <= LATE_S the window holds
+polls only at least 0.8 s apart: at most 1 + 1.5 / 0.8 < 3 of them, each without a search: two operations (the
+deadlock key, the version) for a collective, one (the version) for a point-to-point wait. The old code polled
+every 0.1 s (at least 10 polls in the window), each one operation or more.
+"""
+from __future__ import annotations
+
+import pytest
+
+from omnitron.testing.distributed import run_distributed
+from omnitron.testing.sim import requires_sim
+
+pytestmark = [requires_sim(), pytest.mark.multiprocess]
+ENV = {"OMNITRON_SIM_DEADLOCK_S": "30", "OMNITRON_STRICT_COLLECTIVES": "1"}
+SLEEP_S = 3.5  # rank 0's "checkpoint": the others wait this long, legally
+WINDOW_S = (1.5, 3.0)  # where the store operations are counted (after the backoff's ladder, before the wait ends)
+POLLS_IN_WINDOW = 3  # see the module's docstring
+OPS_PER_POLL = {"collective": 2, "p2p": 1}
+
+
+def legal_long_waits() -> dict:
+    """Per phase: this rank's store operations of blocked-wait records in the window (rank 0: None), and whether
+    the phase's data arrived."""
+    import threading
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import omnitron._sim as sim_ext
+    from omnitron.backends import get_backend
+
+    dev, me, world = get_backend().device(), dist.get_rank(), dist.get_world_size()
+    out = {}
+    for phase in ("collective", "p2p"):
+        dist.barrier()
+        t0, seen = time.monotonic(), []
+
+        def count():
+            for at in WINDOW_S:
+                time.sleep(max(0.0, t0 + at - time.monotonic()))
+                seen.append(sim_ext.wait_store_ops())
+
+        counter = threading.Thread(target=count, daemon=True)
+        if me == 0:
+            time.sleep(SLEEP_S)
+        else:
+            counter.start()
+        t = torch.full((4,), float(me + 1), device=dev)
+        if phase == "collective":
+            dist.all_reduce(t)
+            ok = bool((t.cpu() == world * (world + 1) / 2).all())
+        elif me == 0:
+            for peer in range(1, world):
+                dist.send(t, peer)
+            ok = True
+        else:
+            dist.recv(t, 0)
+            ok = bool((t.cpu() == 1.0).all())
+        if me:
+            counter.join()
+        out[phase] = {"ops": seen[1] - seen[0] if me else None, "ok": ok}
+    return out
+
+
+def test_a_legal_long_wait_polls_the_store_with_backoff():
+    for rank, r in enumerate(run_distributed(legal_long_waits, 3, backend="sim", env=ENV, timeout_s=120)):
+        for phase, got in r.items():
+            assert got["ok"], (rank, phase, r)
+            if rank:
+                assert got["ops"] <= POLLS_IN_WINDOW * OPS_PER_POLL[phase], (rank, phase, r)
