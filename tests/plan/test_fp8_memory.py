@@ -354,7 +354,8 @@ def test_one_linear_pass_against_the_bytes_it_allocates(recipe):
 def test_native_path_by_hand():
     """Where the device runs ``_scaled_mm`` (profiles with an ``fp8`` peak), a per-tensor linear's backward creates
     the output gradient's FP8 form and transpose (1 byte an element each) and its scale, then dx; the FP8 form goes
-    once dx is made (the weight-gradient GEMM reads the transpose), then dw, no fp32 copies (peak: at dx here); its forward the input's FP8 form and transpose, its scale and y. The 1.3B GPT's fc1 at 8192 tokens, worked
+    once dx is made (the weight-gradient GEMM reads the transpose), then dw, no fp32 copies (peak: at dx here); its
+    forward the input's FP8 form and transpose, its scale and y. The 1.3B GPT's fc1 at 8192 tokens, worked
     by hand; delayed: no new scale, and its cast (the Triton kernel's) writes one fp32 amax per 64x64 tile beside the
     FP8 tensors, then their max. Block-wise GEMMs are native only where the profile says so (the h200's: emulated)."""
     from omnitron.core.precision.fp8.config import FP8Config
