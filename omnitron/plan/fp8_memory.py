@@ -53,8 +53,8 @@ sees: an expert's, :func:`omnitron.plan.fp8_moe.probe_experts`), holds its FP8 c
 end, and takes its wide input off from its module's end (until then the wide input, the module's argument, is live
 beside the FP8 copy) until the wide log frees it (once a storage; never where another op keeps it). Per pass (``t``
 tokens, weight ``[out, in]``; :mod:`omnitron.plan.fp8_passes`): backward, the output gradient's FP8 form and transpose
-and, tensorwise, scale (``2 t out + 4``) held to the end, then dx and dw; emulated, each GEMM's fp32 copies of its
-operands and its fp32 product, and the reference cast's fp32 copy
+and, tensorwise, scale (``2 t out + 4``), then dx, the FP8 form freed, the bias gradient, then dw; emulated, each
+GEMM's fp32 copies of its operands and its fp32 product, and the reference cast's fp32 copy
 (:func:`~omnitron.plan.fp8_passes.per_tensor_backward`); delayed, its cast's amax and step-amax update (4 bytes each;
 natively the Triton cast's per-tile amaxes: :func:`~omnitron.plan.fp8_passes.per_tensor_cast`); block-wise, the gradient
 quantized twice and the saved wide input once in 128-tiles, each with an fp32 copy, and the emulated GEMMs' fp32
@@ -302,11 +302,12 @@ def _experts_less(settings, cfg, fn, routed) -> float:
 
 def chunk_linears(settings, cfg, pp_rank: int) -> dict[int, dict[tuple[int, str], tuple]]:
     """Per chunk of pipeline rank ``pp_rank``: ``{(layer counted from the chunk's top, name in the layer): (out, in,
-    saved less, saved, tokens)}`` of its FP8 decoder linears (tp-local weight shapes) as the transient probe runs
+    saved less, saved, tokens, bias)}`` of its FP8 decoder linears (tp-local weight shapes) as the transient probe runs
     them. ``saved less``: what its 1-byte saved input takes off the wide activations where its layer keeps them
     (per-tensor: ``(e - 1) x in x tokens - 4``, the :func:`saved_less` of a linear reading its own input; block-wise:
     0); ``saved``: the bytes of that saved input and its scale (``in x tokens + 4``, delayed without the 4; block-wise:
-    0, it saves the wide input); ``tokens``: the rows its GEMMs see (the micro-batch's whole sequence over cp). A chunk
+    0, it saves the wide input); ``tokens``: the rows its GEMMs see (the micro-batch's whole sequence over cp);
+    ``bias``: whether it has one (its gradient is priced in its backward: :func:`~.fp8_passes.bias_grad`). A chunk
     with MoE layers is probed with every layer MoE: each of its FP8 layers gets the probe's experts'
     (:func:`omnitron.plan.fp8_moe.probe_experts`). Empty without ``--fp8-format``."""
     from omnitron.core.precision.fp8.enable import DEFAULT_EXCLUDE, linear_modules
@@ -337,14 +338,16 @@ def chunk_linears(settings, cfg, pp_rank: int) -> dict[int, dict[tuple[int, str]
             o, k = m.weight.shape
             saved = SAVED_INPUT * k * t + own_scale(settings.fp8) if settings.fp8.per_tensor else 0
             was = 0 if name[d.end():] in kept else e * k * t  # another op keeps the input: the FP8 copy is extra
-            out[c][(len(flags) - 1 - i, name[d.end():])] = (o, k, was - saved if saved else 0, saved, t)
+            has_bias = getattr(m, "bias", None) is not None
+            out[c][(len(flags) - 1 - i, name[d.end():])] = (o, k, was - saved if saved else 0, saved, t, has_bias)
     return out
 
 
-def linear_peak(settings, cfg, kind: str, out: int, inp: int, native: bool, t: float | None = None) -> float:
-    """Peak bytes one FP8 linear of weight ``[out, inp]`` creates in its ``kind`` pass (``forward``, ``backward``, or
-    ``weight``: a split backward's W alone) for ``t`` rows (None: one micro-batch of ``settings``, the whole sequence
-    over cp) in the model's dtype."""
+def linear_peak(settings, cfg, kind: str, out: int, inp: int, native: bool, t: float | None = None,
+                bias: bool = False) -> float:
+    """Peak bytes one FP8 linear of weight ``[out, inp]`` (with a ``bias`` or not) creates in its ``kind`` pass
+    (``forward``, ``backward``, or ``weight``: a split backward's W alone) for ``t`` rows (None: one micro-batch of
+    ``settings``, the whole sequence over cp) in the model's dtype."""
     if t is None:
         t = cfg.seq_length // settings.parallel.context_parallel_size * settings.training.micro_batch_size
     e = cfg.params_dtype.itemsize
@@ -353,9 +356,9 @@ def linear_peak(settings, cfg, kind: str, out: int, inp: int, native: bool, t: f
     if settings.fp8.per_tensor:
         delayed = settings.fp8.fp8_recipe == "delayed"
         return per_tensor_forward(t, out, inp, e, native, delayed) if kind == "forward" else \
-            per_tensor_backward(t, out, inp, e, e, native, delayed)
+            per_tensor_backward(t, out, inp, e, e, native, delayed, bias)
     return blockwise_forward(t, out, inp, e, native) if kind == "forward" else \
-        blockwise_backward(t, out, inp, e, e, native)
+        blockwise_backward(t, out, inp, e, e, native, bias)
 
 
 def fp8_replay_peak(settings, cfg, events: list, sizes: list[float], linears: dict, native: bool,
@@ -401,9 +404,9 @@ def replay_fp8(settings, cfg, events: list, sizes: list[float], linears: dict, n
         key = (int(layer), name)
         if key not in linears:
             continue
-        o, k, less, saved, t = linears[key]
+        o, k, less, saved, t, *bias = linears[key]  # an MoE expert's entry has no bias field: none priced
         if kind in ("forward", "backward", "weight"):
-            best = max(best, live - held + linear_peak(settings, cfg, kind, o, k, native, t))
+            best = max(best, live - held + linear_peak(settings, cfg, kind, o, k, native, t, bool(bias and bias[0])))
         if kind == "forward":
             seen[key] = seen.get(key, 0) + 1
             if seen[key] == (2 if key[0] in recomputed else 1):  # kept: the forward; recomputed: the rerun

@@ -298,11 +298,11 @@ def test_saved_inputs_under_sequence_parallelism_by_hand():
 
 
 # ---- one FP8 linear's own transients, and the probe replayed with them -------------------------------------------
-def _passes(recipe: str, t: int, inp: int, out: int) -> tuple[int, int]:
+def _passes(recipe: str, t: int, inp: int, out: int, bias: bool = False) -> tuple[int, int]:
     """(forward, backward) peak bytes one FP8 linear (weight ``[out, inp]``, bf16, no bias) creates for ``t`` tokens on
     this CPU (emulated GEMMs), measured with ``PeakTracker``, the planner's step tracker; the forward with the weight's
     FP8 form already cached, as every micro-batch after a step's first finds it; delayed as training runs it (one
-    amax reduction a step), after its first step (the reducer primed)."""
+    amax reduction a step), after its first step (the reducer primed); ``bias``: with a bf16 bias ``[out]``."""
     import torch
 
     from omnitron.backends import get_backend
@@ -315,16 +315,17 @@ def _passes(recipe: str, t: int, inp: int, out: int) -> tuple[int, int]:
     assert provider.path == "emulated" and provider.block_path == "emulated", provider.describe()
     w = torch.randn(out, inp, dtype=torch.bfloat16, requires_grad=True)
     x = torch.randn(t, inp, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(out, dtype=torch.bfloat16, requires_grad=True) if bias else None
     reducer = AmaxReducer((), None, per_step=True) if recipe == "delayed" else None
     ex = FP8Linear(FP8Config(fp8_recipe=recipe, fp8_format="e4m3" if recipe == "blockwise" else "hybrid"), provider,
                    reducer=reducer)
     if reducer is not None:  # the first step: every role's amax observed, then pushed
-        ex(x, w, None).backward(torch.randn(t, out, dtype=torch.bfloat16))
+        ex(x, w, b).backward(torch.randn(t, out, dtype=torch.bfloat16))
         reducer.step()
-    ex(x, w, None)  # caches the weight's FP8 form
+    ex(x, w, b)  # caches the weight's FP8 form
     fwd, bwd = PeakTracker(), PeakTracker()
     with fwd:
-        y = ex(x, w, None)
+        y = ex(x, w, b)
     g = torch.randn_like(y)
     with bwd:
         y.backward(g)
@@ -351,10 +352,28 @@ def test_one_linear_pass_against_the_bytes_it_allocates(recipe):
     assert _passes(recipe, t, inp, out) == want, (t, inp, out)
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise"])
+def test_one_linear_backward_with_a_bias(recipe):
+    """With a bias, the backward makes its gradient (an fp32 sum of the output gradient's rows, cast to the weight's
+    dtype) after dx and before the weight-gradient GEMM, and holds it through that GEMM: the planned backward
+    (``bias=True``) against the tracker's bytes, to the byte, on random shapes as above. The forward's bias add (a
+    second ``y``) is not priced: only the backward is compared."""
+    from omnitron.plan.fp8_passes import blockwise_backward, per_tensor_backward
+
+    if recipe != "blockwise":
+        t, inp, out = (random.randint(16, 200) for _ in range(3))
+        want = per_tensor_backward(t, out, inp, 2, 2, False, recipe == "delayed", True)
+    else:
+        t, inp, out = (128 * random.randint(1, 3) for _ in range(3))
+        want = blockwise_backward(t, out, inp, 2, 2, False, True)
+    assert _passes(recipe, t, inp, out, True)[1] == want, (t, inp, out)
+
+
 def test_native_path_by_hand():
     """Where the device runs ``_scaled_mm`` (profiles with an ``fp8`` peak), a per-tensor linear's backward creates
-    the output gradient's FP8 form and transpose (1 byte an element each) and its scale, then dx and dw, no fp32
-    copies; its forward the input's FP8 form and transpose, its scale and y. The 1.3B GPT's fc1 at 8192 tokens, worked
+    the output gradient's FP8 form and transpose (1 byte an element each) and its scale, then dx; the FP8 form goes
+    once dx is made (the weight-gradient GEMM reads the transpose), then dw, no fp32 copies (peak: at dx here); its
+    forward the input's FP8 form and transpose, its scale and y. The 1.3B GPT's fc1 at 8192 tokens, worked
     by hand; delayed: no new scale, and its cast (the Triton kernel's) writes one fp32 amax per 64x64 tile beside the
     FP8 tensors, then their max. Block-wise GEMMs are native only where the profile says so (the h200's: emulated)."""
     from omnitron.core.precision.fp8.config import FP8Config
@@ -363,9 +382,10 @@ def test_native_path_by_hand():
 
     t, out, inp = 8192, 8192, 2048
     mib = 2**20
-    assert per_tensor_backward(t, out, inp, 2, 2, True) == (64 + 64) * mib + 4 + 32 * mib + 32 * mib
+    assert per_tensor_backward(t, out, inp, 2, 2, True) == (64 + 64) * mib + 4 + 32 * mib  # > 64 + 4 + 32 + 32
     assert per_tensor_forward(t, out, inp, 2, True) == (16 + 16) * mib + 4 + 128 * mib
-    assert per_tensor_backward(t, out, inp, 2, 2, True, True) == (64 + 64) * mib + 32 * mib + 32 * mib
+    assert per_tensor_backward(t, out, inp, 2, 2, True, True) == (64 + 64) * mib + 32 * mib
+    assert per_tensor_backward(1024, out, inp, 2, 2, True) == 8 * mib + 4 + 4 * mib + 32 * mib  # at dw: qg_t, dx, dw
     assert per_tensor_forward(t, out, inp, 2, True, True) == (16 + 16) * mib + 128 * mib
     assert per_tensor_cast(t, inp, True, True) == ((16 + 16) * mib + 4 * (128 * 32 + 1), (16 + 16) * mib)
     assert per_tensor_cast(100, 10, True, True)[0] == 2000 + 4 * (2 + 1)  # 2 tiles (ragged rows), their max

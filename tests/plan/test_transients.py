@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import weakref
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -318,9 +319,12 @@ def _kept_for_w(cfg, layers: int, first: bool, last: bool, s: int, b: int, fp8=N
     (:mod:`omnitron.core.parallel.pipeline.wgrad`) and, with ``fp8`` (an ``FP8Config``: the chunk's linears in FP8, as
     training converts them), the operands B stashed on the FP8 linears' nodes for W (``split_backward.py``), less
     those the forward saved (the activation term's) and the delayed recipe's scales (its state, the fp8 term's).
+    Under full recomputation also the values B's rerun left in the checkpoint's slots for W (``tensor/recompute.py``
+    keeps a weight boundary's reads), the parameters it saves (their own storages) left out.
     Delayed: a step first, then the step's scale update, as every step of training after its first."""
     from omnitron.core.parallel.pipeline.wgrad import backward_input
     from omnitron.core.parallel.split_backward import _STASH
+    from omnitron.core.parallel.tensor.recompute import _Frame
     from omnitron.core.precision.fp8.enable import enable_fp8, fp8_step
     from omnitron.plan.measure import SavedBytes
     from omnitron.plan.transients import Probe, _chunk
@@ -340,14 +344,21 @@ def _kept_for_w(cfg, layers: int, first: bool, last: bool, s: int, b: int, fp8=N
         y = forward()
         y.backward(None if last else torch.randn_like(y))
         fp8_step(enabled)
-    rec = SavedBytes(m.parameters())
-    with rec.record():
-        y = forward()
+    rec, slots, pack = SavedBytes(m.parameters()), [], _Frame.pack
+    _Frame.pack = lambda frame, t: slots.append(weakref.ref(slot := pack(frame, t))) or slot  # this forward's
+    try:
+        with rec.record():
+            y = forward()
+    finally:
+        _Frame.pack = pack
     _, plan = backward_input(y, None if last else torch.randn_like(y), x, params)
     stashed = [t for node, _ in plan.boundaries for ops in [getattr(node, _STASH, None)] if ops is not None
                for t in (*ops[0], ops[1])]
+    weights = {p.untyped_storage().data_ptr() for p in m.parameters()}  # a rerun saves the parameters themselves
+    reran = [slot.value for ref in slots for slot in [ref()] if slot is not None and slot.value is not None and
+             slot.value.untyped_storage().data_ptr() not in weights]  # B's rerun's, kept for W
     kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for t in [plan.grad, *(g for gs in plan.kept.values() for g in gs), *stashed] if t is not None}
+            for t in [plan.grad, *(g for gs in plan.kept.values() for g in gs), *stashed, *reran] if t is not None}
     state = {st.scale_inv.untyped_storage().data_ptr() for ex in enabled.values() for st in ex.states.values()}
     return sum(n for ptr, n in kept.items() if ptr not in rec.storages and ptr not in state)
 
