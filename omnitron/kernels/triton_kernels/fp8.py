@@ -192,7 +192,9 @@ def _history_push(HIST, AMAX, SCALE, NEW_HIST, NEW_SCALE, NEW_SCALE_INV, L, TARG
         has_nan = tl.max(tl.where((hist != hist) & (i < L), 1, 0), axis=0)
         summary = tl.where(has_nan > 0, float("nan"), tl.max(tl.where(i < L, hist, 0.0), axis=0))
     ok = (summary > 0.0) & (summary < float("inf"))  # False for NaN
-    scale = tl.where(ok, tl.math.div_rn(1.0, tl.where(ok, summary, 1.0)) * TARGET, tl.load(SCALE))
+    # scale_from_amax's rule: one IEEE-rounded division, clipped to the float32 max (the reference's)
+    scale = tl.minimum(tl.math.div_rn(TARGET, tl.where(ok, summary, 1.0)), 3.4028234663852886e38)
+    scale = tl.where(ok, scale, tl.load(SCALE))
     tl.store(NEW_SCALE, scale)
     tl.store(NEW_SCALE_INV, tl.math.div_rn(1.0, scale))
 
