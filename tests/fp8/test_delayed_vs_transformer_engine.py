@@ -159,25 +159,30 @@ def _te_run(amaxes: list[float], algo: str) -> list[tuple[list, float]]:
     return out
 
 
-@pytest.mark.parametrize("algo", ["max", "most_recent"])
-def test_a_zero_amax_leaves_history_and_scale_as_transformer_engine_does(algo):
-    """A step whose input is all zeros (amax 0): TE's fused update rolls nothing and keeps the scale
-    (delayed_scaling.cu:186), so under ``max`` the step after still sees the oldest amax. Omnitron pushed the 0
-    (history [0, a2, a1], then [a4, 0, a2]: a1 dropped a step early and the scale moved)."""
+def _per_step_histories(algo: str, w: torch.Tensor, xs: list[torch.Tensor]) -> list[tuple[list[float], float]]:
+    """(the input role's amax history, its scale) after each of omnitron's per-step delayed updates, one FP8Linear
+    forward and backward on each ``x``."""
     cfg = FP8Config(fp8_recipe="delayed", fp8_format="hybrid", fp8_amax_history_len=HIST, fp8_amax_compute_algo=algo)
     reducer = AmaxReducer((), None, per_step=True)
     ex = FP8Linear(cfg, get_backend("cpu").fp8, reducer=reducer)
-    g = torch.Generator().manual_seed(3)
-    w = (torch.randn(8, 8, generator=g) * 0.1).requires_grad_()
-    xs = [torch.randn(4, 8, generator=g) * c for c in (9.0, 2.0, 0.0, 1.0)]  # the oldest the largest
     got = []
     for x in xs:
         ex(x, w, None).sum().backward()
         reducer.step()
         s = ex.states["input"]
         got.append((s.amax_history.tolist(), float(s.scale)))
-    want = _te_run([float(x.abs().max()) for x in xs], algo)
-    assert got == want
+    return got
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_a_zero_amax_leaves_history_and_scale_as_transformer_engine_does(algo):
+    """A step whose input is all zeros (amax 0): TE's fused update rolls nothing and keeps the scale
+    (delayed_scaling.cu:186), so under ``max`` the step after still sees the oldest amax. Omnitron pushed the 0
+    (history [0, a2, a1], then [a4, 0, a2]: a1 dropped a step early and the scale moved)."""
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(8, 8, generator=g) * 0.1).requires_grad_()
+    xs = [torch.randn(4, 8, generator=g) * c for c in (9.0, 2.0, 0.0, 1.0)]  # the oldest the largest
+    assert _per_step_histories(algo, w, xs) == _te_run([float(x.abs().max()) for x in xs], algo)
 
 
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
@@ -185,21 +190,11 @@ def test_an_inf_amax_rolls_in_and_keeps_the_scale_as_transformer_engine_does(alg
     """A step whose input holds an inf (amax inf): TE rolls it into the history and keeps the previous scale while
     the amax it scales from is not finite (delayed_scaling.cu:238-249), under ``max`` until the inf ages out of the
     window. A scale of fp8_max / inf = 0 instead would quantize every later input to zero."""
-    cfg = FP8Config(fp8_recipe="delayed", fp8_format="hybrid", fp8_amax_history_len=HIST, fp8_amax_compute_algo=algo)
-    reducer = AmaxReducer((), None, per_step=True)
-    ex = FP8Linear(cfg, get_backend("cpu").fp8, reducer=reducer)
     g = torch.Generator().manual_seed(torch.randint(0, 2 ** 31, ()).item())
     w = (torch.randn(8, 8, generator=g) * 0.1).requires_grad_()
     xs = [torch.randn(4, 8, generator=g) * c for c in (9.0, 2.0, 1.0, 3.0, 0.5)]
     xs[1][2, 3] = float("inf")
-    got = []
-    for x in xs:
-        ex(x, w, None).sum().backward()
-        reducer.step()
-        s = ex.states["input"]
-        got.append((s.amax_history.tolist(), float(s.scale)))
-    want = _te_run([float(x.abs().max()) for x in xs], algo)
-    assert got == want
+    assert _per_step_histories(algo, w, xs) == _te_run([float(x.abs().max()) for x in xs], algo)
 
 
 def test_a_tiny_amax_gives_the_largest_float32_scale_and_divisions_round_once():

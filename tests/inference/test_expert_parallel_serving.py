@@ -190,23 +190,13 @@ def test_server_under_expert_parallelism_answers_like_one_process(tmp_path):
     """``omnitron serve --expert-model-parallel-size 2`` on an MoE checkpoint: 2 ranks launched, each with 2 of the
     4 experts; rank 0 answers a greedy request with the one-process text, twice (the replicas still in step), and
     SIGTERM stops both."""
-    import signal
-
-    from tests.inference.test_sharded_serve import _put, _wait_for_port, start_server
+    from tests.inference.test_sharded_serve import _put, serving
 
     root = str(tmp_path / "ck")
     _checkpoint(root, _moe_config("gpt"), tp=1)
     prompts = MOE_PROMPT_SETS[0]
     want = _one_process(root, GREEDY, prompts)["text"]
-    proc = start_server(root, ["--expert-model-parallel-size", "2"], tmp_path)
-    try:
-        port = _wait_for_port(proc, 240)
+    with serving(root, ["--expert-model-parallel-size", "2"], tmp_path) as port:
         greedy = {"prompts": prompts, "tokens_to_generate": 10, "temperature": 0.0}
         assert _put(port, greedy) == (200, {"text": want})
         assert _put(port, {**greedy, "prompts": prompts[:1]}) == (200, {"text": want[:1]})
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, proc.stderr.read()[-2000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

@@ -3,6 +3,7 @@ one-process ones; bad requests (refused by rank 0, or by the library on every ra
 stops every rank cleanly."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -38,15 +39,25 @@ def _wait_for_port(proc, deadline_s: float) -> int:
     raise AssertionError(f"the server did not start: {proc.stderr.read()[-2000:]}")
 
 
-def start_server(root: str, flags: list[str], cwd, backend: str | None = None) -> subprocess.Popen:
+@contextlib.contextmanager
+def serving(root: str, flags: list[str], cwd, backend: str | None = None):
     """``omnitron serve --load root --port 0 FLAGS`` in a child process (this checkout first on its path; ``backend``:
-    the ranks' OMNITRON_BACKEND, None: the session's)."""
+    the ranks' OMNITRON_BACKEND, None: the session's), yielding its port once it listens. After the block the server
+    is sent SIGTERM and must exit 0 (a clean shutdown of every rank); on a failure inside the block it is killed."""
     repo = str(__import__("pathlib").Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
     if backend is not None:
         env["OMNITRON_BACKEND"] = backend
-    return subprocess.Popen([sys.executable, "-m", "omnitron", "serve", "--load", root, "--port", "0", *flags],
+    proc = subprocess.Popen([sys.executable, "-m", "omnitron", "serve", "--load", root, "--port", "0", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
+    try:
+        yield _wait_for_port(proc, 240)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.parametrize("backend", [None, pytest.param("sim", marks=[pytest.mark.slow, requires_sim()])])
@@ -55,9 +66,7 @@ def test_server_under_tensor_parallelism_answers_like_one_process(tmp_path, back
     root = str(tmp_path / "ck")
     _checkpoint(root)
     want = _one_process(root, {"temperature": 0.0})["text"]
-    proc = start_server(root, ["--tensor-model-parallel-size", "2"], tmp_path, backend)
-    try:
-        port = _wait_for_port(proc, 240)
+    with serving(root, ["--tensor-model-parallel-size", "2"], tmp_path, backend) as port:
         greedy = {"prompts": PROMPTS, "tokens_to_generate": 10, "temperature": 0.0}
         assert _put(port, greedy) == (200, {"text": want})
         code, body = _put(port, {"prompts": ["1"], "top_k": 2, "top_p": 0.5})  # refused by rank 0 alone
@@ -65,9 +74,3 @@ def test_server_under_tensor_parallelism_answers_like_one_process(tmp_path, back
         code, body = _put(port, {"prompts": [" ".join(["7"] * 60)], "tokens_to_generate": 2})  # by every rank
         assert code == 400 and "more than the model's context" in body["error"]
         assert _put(port, greedy) == (200, {"text": want})  # both ranks still in step
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, proc.stderr.read()[-2000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
