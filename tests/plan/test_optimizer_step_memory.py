@@ -8,8 +8,10 @@ slices (the embedding's, thousands of elements) go in several chunks; run again 
 slice -- what the step did before fp16 moments were chunked -- the same step's temporaries exceed the plan. And
 the steps leave nothing allocated beyond the state (with --main-grads-dtype bf16 the step once kept an fp32 copy
 of every owned gradient slice).
-Both sides are integer byte counts; the plan is a bound (its one-element allowance and the kernel's workspace
-are upper counts), so the test also requires it within 2x of the measurement.
+Both sides are integer byte counts. The plan counts every fp32 chunk, mask and copy from the code in the
+allocator's 512-byte blocks; its one upper count is the allowance of :data:`~omnitron.plan.optimizer_step.SCALARS`
+one-element tensors alive at once (the step holds between 0 and that many, each one block), so the plan may exceed
+the measurement by at most ``SCALARS`` blocks and never fall below it.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import os
 
 import pytest
 
+from omnitron.plan.optimizer_step import BLOCK, SCALARS
 from omnitron.testing.distributed import run_distributed
 from omnitron.testing.sim import requires_sim
 from test_state import _args
@@ -78,6 +81,6 @@ def test_planned_step_temporaries_bound_the_measured(name, tmp_path):
                                        "--global-batch-size", "2", *MOMENTS[name]])
     for rank, (planned, (chunked, whole), kept) in enumerate(run_distributed(_step_peaks, 2, args, 2,
                                                                                 backend="sim")):
-        assert 0 < chunked <= planned <= 2 * chunked, (name, rank, planned, chunked)
+        assert 0 < chunked <= planned <= chunked + SCALARS * BLOCK, (name, rank, planned, chunked)
         assert whole > planned, (name, rank, planned, whole)
         assert kept == 0, (name, rank, kept)  # nothing but the state outlives a step
