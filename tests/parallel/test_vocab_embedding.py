@@ -1,4 +1,4 @@
-"""The vocab-parallel embedding lookup on 2 gloo ranks against ``F.embedding`` of the whole float64 table.
+"""The vocab-parallel embedding lookup on 2 ranks of the backend under test against ``F.embedding`` of the whole float64 table.
 
 Every id is looked up, the first id of each rank's row range included (the boundary a wrong ``>=`` would hand
 to the rank before it), plus fresh random ids: each rank returns the summed lookup, which must equal the
@@ -20,12 +20,13 @@ def _lookup() -> float:
     from omnitron.core.parallel.groups import ParallelGroups
     from omnitron.core.parallel.tensor.layers import embedding_lookup
 
-    groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=TP), get_backend().collectives)
+    be = get_backend()  # the backend under test: its device
+    groups, dev = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=TP), backend=be), be.device()
     gen = torch.Generator().manual_seed(1234)
     table = torch.randn(ROWS * TP, HIDDEN, generator=gen, dtype=torch.float64)
     ids = torch.cat([torch.arange(ROWS * TP), torch.randint(0, ROWS * TP, (13,), generator=gen)]).view(3, 7)
     r = groups.tp.rank
-    got = embedding_lookup(ids, table[r * ROWS:(r + 1) * ROWS].clone(), groups.tp)
+    got = embedding_lookup(ids.to(dev), table[r * ROWS:(r + 1) * ROWS].to(dev), groups.tp).cpu()
     return float((got - F.embedding(ids, table)).abs().max())
 
 

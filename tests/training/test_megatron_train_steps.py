@@ -81,16 +81,17 @@ def loss_mask(case: str, sample: int) -> torch.Tensor:
     return m
 
 
-def micro_batches(case: str, it: int, dp: int, dp_rank: int):
-    """Iteration ``it``'s micro-batches of one data-parallel rank, as Megatron's sampler splits the global batch
-    (rank r reads samples r * mbs .. (r + 1) * mbs of each dp * mbs)."""
+def micro_batches(case: str, it: int, dp: int, dp_rank: int, device):
+    """Iteration ``it``'s micro-batches of one data-parallel rank on ``device``, as Megatron's sampler splits the
+    global batch (rank r reads samples r * mbs .. (r + 1) * mbs of each dp * mbs)."""
     stream, mbs, S = FIXTURES["stream"], SETTINGS["MBS"], SETTINGS["S"]
     rows = [i for i in range(SETTINGS["GBS"]) if (i // mbs) % dp == dp_rank]
     for k in range(0, len(rows), mbs):
         r = rows[k:k + mbs]
         t = stream[it, r]
-        yield {"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": torch.stack([loss_mask(case, i) for i in r]),
-               "position_ids": torch.arange(S)[None].expand(len(r), S)}
+        batch = {"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": torch.stack([loss_mask(case, i) for i in r]),
+                 "position_ids": torch.arange(S)[None].expand(len(r), S)}
+        yield {k: v.to(device) for k, v in batch.items()}
 
 
 def train_omnitron(case: str, extra: list[str], world: int, dtype: torch.dtype) -> dict:
@@ -104,14 +105,15 @@ def train_omnitron(case: str, extra: list[str], world: int, dtype: torch.dtype) 
 
     s = parse_settings([*FLAGS, *extra], world)
     s = dataclasses.replace(s, model=dataclasses.replace(s.model, params_dtype=dtype))
-    c = build_components(s, get_backend())
+    be = get_backend()  # the backend under test: the batches go to its device
+    c = build_components(s, be)
     assert len(c.modules) == 1 and c.model.vocab_size == SETTINGS["V"]
     shard_full_state(c.modules[0], {n: w.to(dtype) for n, w in FIXTURES["weights"].items()}, c.groups)
     c.optimizer.reload_masters()  # the masters were copied from omnitron's own initialisation
     dp = c.groups.dp.size
     out = {"loss": [], "grad_norm": [], "lr": []}
     for it in range(SETTINGS["ITERS"]):
-        got = train_step(c, micro_batches(case, it, dp, c.groups.dp.rank if dp > 1 else 0))
+        got = train_step(c, micro_batches(case, it, dp, c.groups.dp.rank if dp > 1 else 0, be.device()))
         for key, name in (("loss", "lm_loss"), ("grad_norm", "grad_norm"), ("lr", "lr")):
             out[key].append(float(got[name]))
     mine = {n: w.to("cpu", torch.float64) for n, w in gather_full_state(c.modules[0], c.groups).items()}
