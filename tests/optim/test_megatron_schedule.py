@@ -111,25 +111,6 @@ def test_sample_schedule_applies_megatrons_rate_along_a_ramp(style, wsd):
     _compare(LRScheduler(cfg, train_iters=len(batches), train_samples=600), ref, batches, skipped={2})
 
 
-@pytest.mark.parametrize("samples", [False, True])
-def test_wsd_without_a_decay_length_decays_over_a_tenth_of_the_span(samples):
-    """--lr-decay-style WSD without --lr-wsd-decay-iters / -samples (Megatron asserts it is given; omnitron's
-    documented default, config/training.py): the final decay runs over a tenth of the span after the warm-up,
-    floored, in the schedule's unit; then Megatron's rule with that length, step for step."""
-    gbs, warmup, decay = 8, 4, 64  # span 60 iterations: a decay of 6 (48 samples); in samples 30 and 500: 47
-    if samples:
-        cfg = OptimizerConfig(lr=1e-3, min_lr=1e-5, lr_decay_style="WSD", lr_warmup_samples=30, lr_decay_samples=500,
-                              lr_wsd_decay_style="linear")
-        ours, ref = LRScheduler(cfg, train_iters=80, train_samples=640), \
-            MegatronScheduler(0.0, 1e-3, 1e-5, 30, 500, "WSD", 47, "linear")
-    else:
-        cfg = OptimizerConfig(lr=1e-3, min_lr=1e-5, lr_decay_style="WSD", lr_warmup_iters=warmup,
-                              lr_decay_iters=decay, lr_wsd_decay_style="linear")
-        ours = LRScheduler(cfg, train_iters=80, global_batch_size=gbs)
-        ref = MegatronScheduler(0.0, 1e-3, 1e-5, warmup * gbs, decay * gbs, "WSD", 6 * gbs, "linear")
-    _compare(ours, ref, [gbs] * 80)
-
-
 @pytest.mark.parametrize("train", [["--train-iters", "40", "--lr-decay-iters", "33"],
                                    ["--train-samples", "160", "--lr-decay-samples", "150"]])
 def test_warmup_fraction_is_megatrons_unrounded_fraction(train):

@@ -9,6 +9,7 @@ import importlib.util
 import math
 import os
 import random
+import re
 import sys
 import types
 
@@ -136,3 +137,72 @@ def test_a_choice_of_a_feature_that_is_off_is_still_checked(flag, value):
     with pytest.raises(ConfigError, match=flag):
         parse_settings(BASE + [flag, value], 1)
     parse_settings(BASE, 1)  # the same run without the flag is taken
+
+
+def _megatron_accepts(scheduler, unit: str, total: int, gbs: int, warmup: int, decay, fraction, wsd, style) -> bool:
+    """Whether Megatron's OptimizerParamScheduler is built for these flags: its steps as Megatron's
+    ``get_optimizer_param_scheduler`` derives them (an iteration run counts samples: iterations x batch)."""
+    per = gbs if unit == "iters" else 1
+    decay_steps = (decay if decay is not None else total) * per
+    warmup_steps = fraction * decay_steps if fraction is not None else warmup * per
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    try:
+        scheduler.OptimizerParamScheduler(opt, init_lr=0.0, max_lr=0.1, min_lr=0.0, lr_warmup_steps=warmup_steps,
+                                          lr_decay_steps=decay_steps, lr_decay_style=style, start_wd=0.0, end_wd=0.0,
+                                          wd_incr_steps=total * per, wd_incr_style="constant",
+                                          wsd_decay_steps=None if wsd is None else wsd * per,
+                                          lr_wsd_decay_style="linear")
+    except AssertionError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not os.path.isdir(MEGATRON), reason="Megatron-LM's source is not unpacked here")
+@pytest.mark.parametrize("unit", ["iters", "samples"])
+def test_schedule_lengths_are_refused_as_megatrons_scheduler_refuses_them(unit, monkeypatch):
+    """A warm-up as long as the decay or longer (--lr-warmup-iters / -samples, or --lr-warmup-fraction 1), and WSD
+    without --lr-wsd-decay-iters / -samples, were accepted (the warm-up ran past the decay; WSD decayed over a
+    tenth of the span); Megatron's scheduler asserts on both. Fresh random lengths around the edges, each style:
+    omnitron refuses in one line exactly the command lines Megatron's own scheduler refuses."""
+    scheduler = _megatron_module("megatron/core/optimizer_param_scheduler.py", monkeypatch)
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    gbs = 2
+    seen = set()
+    for _ in range(24):
+        total = rng.randint(2, 12) * (gbs if unit == "samples" else 1)
+        decay = rng.choice([None, rng.randint(1, 2 * total)])
+        edge = decay if decay is not None else total
+        warmup = rng.choice([0, edge - 1, edge, edge + 1, rng.randint(0, 2 * edge)])
+        fraction = rng.choice([None, None, 0.0, 0.5, 0.999, 1.0]) if warmup == 0 else None
+        style = rng.choice(["linear", "cosine", "constant", "inverse-square-root", "WSD"])
+        wsd = rng.choice([None, rng.randint(0, edge)])
+        at = BASE.index("--train-iters")
+        argv = BASE[:at] + BASE[at + 2:] + [f"--train-{unit}", str(total), "--lr-decay-style", style]
+        for flag, v in ((f"--lr-decay-{unit}", decay), (f"--lr-warmup-{unit}", warmup or None),
+                        ("--lr-warmup-fraction", fraction), (f"--lr-wsd-decay-{unit}", wsd)):
+            argv += [flag, str(v)] if v is not None else []
+        want = _megatron_accepts(scheduler, unit, total, gbs, warmup, decay, fraction, wsd, style)
+        seen.add(want)
+        if want:
+            parse_settings(argv, 1)
+            continue
+        with pytest.raises(ConfigError) as err:
+            parse_settings(argv, 1)
+        assert len(str(err.value).splitlines()) == 1
+        assert re.search(r"--lr-warmup-(iters|samples|fraction)|--lr-wsd-decay-(iters|samples)", str(err.value))
+
+
+def test_a_warmup_ending_with_the_decay_names_both_lengths():
+    """The message names the warm-up, the decay (or the run's length it defaults to) and the fix."""
+    with pytest.raises(ConfigError, match=r"^--lr-warmup-iters 4 is not shorter than the decay, --train-iters "
+                                          r"\(no --lr-decay-iters\) 4: .*give a shorter warm-up or a longer decay$"):
+        parse_settings(BASE + ["--lr-warmup-iters", "4"], 1)
+    with pytest.raises(ConfigError, match=r"^--lr-warmup-iters 6 is not shorter than the decay, --lr-decay-iters 3"):
+        parse_settings(BASE + ["--lr-warmup-iters", "6", "--lr-decay-iters", "3"], 1)
+    with pytest.raises(ConfigError, match=r"^--lr-decay-style WSD needs .* --lr-wsd-decay-iters N"):
+        parse_settings(BASE + ["--lr-decay-style", "WSD"], 1)
+    with pytest.raises(ConfigError, match=r"^--lr-warmup-fraction must lie in \[0, 1\)"):
+        parse_settings(BASE + ["--lr-warmup-fraction", "1"], 1)
+    assert parse_settings(BASE + ["--lr-warmup-iters", "3", "--lr-decay-style", "WSD", "--lr-wsd-decay-iters",
+                                  "0"], 1).optim.lr_wsd_decay_iters == 0
+    assert parse_settings(BASE + ["--skip-train", "--eval-iters", "1", "--lr-warmup-iters", "9"], 1)

@@ -62,7 +62,7 @@ def test_selectors_are_accepted_with_what_runs(caplog):
     (["--group-query-attention"], "--group-query-attention needs --num-query-groups N"),
     (["--use-rotary-position-embeddings", "--position-embedding-type", "learned_absolute"],
      "means --position-embedding-type rope, but --position-embedding-type learned_absolute was given"),
-    (["--lr-warmup-fraction", "1.5"], r"--lr-warmup-fraction must lie in \[0, 1\]"),
+    (["--lr-warmup-fraction", "1.5"], r"--lr-warmup-fraction must lie in \[0, 1\)"),
     (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"], "not both"),
     (["--tokenizer-type", "SFTTokenizer"], "SFTTokenizer: Megatron's, not omnitron's"),
     (["--tokenizer-type", "NullMultimodalTokenizer"], "use --tokenizer-type HuggingFaceTokenizer"),

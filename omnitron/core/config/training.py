@@ -35,7 +35,8 @@ class OptimizerConfig:
     lr_decay_iters: int | None = None
     """--lr-decay-iters: iteration where the decay ends (default: --train-iters)."""
     lr_wsd_decay_iters: int | None = None
-    """--lr-wsd-decay-iters: length of the final decay phase of WSD (default: 10% of the decay span)."""
+    """--lr-wsd-decay-iters: length of the final decay phase of WSD (required with --lr-decay-style WSD in an
+    iteration run, as Megatron's scheduler asserts; it has no default)."""
     lr_wsd_decay_style: str = "exponential"
     """--lr-wsd-decay-style {linear,cosine,exponential,minus_sqrt}: shape of WSD's final decay (Megatron's default:
     exponential, ``2 * 0.5**ratio - 1``)."""
@@ -44,7 +45,7 @@ class OptimizerConfig:
     lr_decay_samples: int | None = None
     """--lr-decay-samples: with --train-samples, the sample count where the decay ends (default: --train-samples)."""
     lr_wsd_decay_samples: int | None = None
-    """--lr-wsd-decay-samples: with --train-samples, the samples of WSD's final decay phase."""
+    """--lr-wsd-decay-samples: with --train-samples, the samples of WSD's final decay phase (required with WSD)."""
     lr_warmup_init: float = 0.0
     """--lr-warmup-init: the warmup rises linearly from this rate to --lr."""
     decoupled_lr: float | None = None

@@ -32,6 +32,7 @@ class LRScheduler:
 
     def __init__(self, config: OptimizerConfig, train_iters: int, train_samples: int | None = None,
                  global_batch_size: int = 1, varying_batch: bool = False) -> None:
+        check_lengths(config, train_iters, train_samples)
         self.max_lr, self.min_lr, self.warmup_init = config.lr, config.min_lr, config.lr_warmup_init
         self.decoupled_max_lr = config.decoupled_lr
         self.decoupled_min_lr = config.decoupled_min_lr_or_default if config.decoupled_lr is not None else None
@@ -43,8 +44,8 @@ class LRScheduler:
         else:
             self.warmup, wsd = config.lr_warmup_iters, config.lr_wsd_decay_iters
             self.decay_iters = config.lr_decay_iters or train_iters
-        span = max(self.decay_iters - self.warmup, 0)
-        self.wsd_decay = wsd if wsd is not None else max(span // 10, 1)
+        self.wsd_decay = wsd
+        """WSD's final decay in the schedule's unit (None for the other styles; the config requires it for WSD)."""
         self.wsd_style = config.lr_wsd_decay_style
         self.per_step = 1 if train_samples else global_batch_size
         """Samples per unit of progress: Megatron counts an iteration run in samples too (iterations x
@@ -161,6 +162,26 @@ _CHECKED = (("unit", "the schedule's unit (--train-iters or --train-samples)"), 
 length; all in samples, so a changed --global-batch-size too), and the embedding's decoupled rates. A constant
 weight decay has no length (None): extending the run does not change it. Checkpoints written before the weight decay
 or the batch size was recorded count as the command line's."""
+
+
+def check_lengths(config: OptimizerConfig, train_iters: int, train_samples: int | None = None) -> None:
+    """The schedule's lengths as Megatron's ``OptimizerParamScheduler`` asserts them, in the run's unit: a warm-up
+    shorter than the decay (it asserts ``lr_warmup_steps < lr_decay_steps`` for every style; --lr-warmup-fraction
+    is checked to lie below 1 where it is read), and WSD's final decay given (it has no default). A ConfigError
+    names the flags and the fix, before anything is built."""
+    unit, total = ("samples", train_samples) if train_samples else ("iters", train_iters)
+    warmup = getattr(config, f"lr_warmup_{unit}")
+    decay_flag = f"--lr-decay-{unit}"
+    decay = getattr(config, f"lr_decay_{unit}")
+    if decay is None:
+        decay, decay_flag = total, f"--train-{unit} (no {decay_flag})"
+    if warmup >= decay:
+        raise ConfigError(f"--lr-warmup-{unit} {warmup} is not shorter than the decay, {decay_flag} {decay}: "
+                          f"Megatron's scheduler needs the warm-up to end before the decay does; give a shorter "
+                          f"warm-up or a longer decay")
+    if config.lr_decay_style == "WSD" and getattr(config, f"lr_wsd_decay_{unit}") is None:
+        raise ConfigError(f"--lr-decay-style WSD needs the length of its final decay: give --lr-wsd-decay-{unit} N "
+                          f"(Megatron's scheduler has no default)")
 
 
 def _shape(style: str, ratio: float) -> float:

@@ -164,6 +164,10 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
     logging_cfg.check_world(world)
     checkpoint = _build(CheckpointConfig, merged, **({"no_load_optim": True} if training.skip_train else {}))
     optim = _build(OptimizerConfig, merged)
+    if not training.skip_train:  # Megatron builds no scheduler for --skip-train
+        from omnitron.core.optim.schedules import check_lengths
+
+        check_lengths(optim, training.train_iters, training.train_samples)
     ddp = _ddp_settings(merged, precision)
     if ddp is not None:
         from omnitron.core.parallel.data.config import check_fsdp2

@@ -382,8 +382,9 @@ def resolve(merged: dict[str, Any]) -> dict[str, Any]:
     fraction = merged.pop("lr_warmup_fraction", None)
     if fraction is None:
         return merged
-    if not 0.0 <= fraction <= 1.0:
-        raise ConfigError(f"--lr-warmup-fraction must lie in [0, 1], got {fraction}")
+    if not 0.0 <= fraction < 1.0:  # Megatron's scheduler asserts warm-up < decay: a fraction of 1 is refused
+        raise ConfigError(f"--lr-warmup-fraction must lie in [0, 1) (a fraction of the decay; the warm-up must end "
+                          f"before it), got {fraction}")
     unit = "samples" if merged.get("train_samples") else "iters"
     if merged.get(f"lr_warmup_{unit}"):
         raise ConfigError(f"give --lr-warmup-fraction or --lr-warmup-{unit}, not both")
