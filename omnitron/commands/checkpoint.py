@@ -42,7 +42,8 @@ def register(sub) -> None:
     conv.add_argument("--target-account-for-loss-in-pipeline-split", action="store_true",
                       help="the loss counts as a layer of the pipeline split")
     conv.add_argument("--target-expert-model-parallel-size", type=int, default=1, metavar="E",
-                      help="MoE models: ranks the experts are spread over (default: 1)")
+                      help="MoE models: ranks the experts are spread over (default: 1); each expert is written "
+                           "whole (no expert tensor-parallel split, as Megatron's converter has no such target)")
     conv.add_argument("--target-data-parallel-size", type=int, default=1, metavar="D",
                       help="data-parallel replicas to write (default: 1; a resume with another dp reshards anyway)")
     conv.add_argument("--target-ckpt-format", choices=("torch", "torch_dist"), metavar="F",
@@ -100,7 +101,7 @@ def _natural(name: str) -> list:
 
 def run_convert(args: argparse.Namespace) -> int:
     from omnitron.core.checkpoint import CheckpointError
-    from omnitron.core.checkpoint.reshard import Layout, convert, model_config, read_metadata
+    from omnitron.core.checkpoint.reshard import Layout, convert, model_config, read_metadata, recorded_family
     from omnitron.core.config.parallel import ConfigError
 
     import time
@@ -118,8 +119,8 @@ def run_convert(args: argparse.Namespace) -> int:
     try:
         path = resolve(args.load)
         check_save("--save", args.save, args.load, path)  # never over a checkpoint, never into --load
-        cfg = model_config(read_metadata(path)["model"])
-        target = _target_layout(args, cfg.num_layers, cfg.num_experts)
+        meta = read_metadata(path)
+        target = _target_layout(args, model_config(meta["model"], recorded_family(meta, path)))
         out = convert(path, args.save, target, args.target_ckpt_format, say=say, progress=progress)
     except (CheckpointError, ConfigError, OSError, ValueError) as err:
         return fail("convert", err)
@@ -128,12 +129,18 @@ def run_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _target_layout(args: argparse.Namespace, num_layers: int, num_experts: int | None = None):
-    """The Layout the --target-* flags ask for (ConfigError naming the flag when they do not fit), checked as a
-    training run's layout is: a checkpoint written in a layout no run can have is refused by every reader."""
+def _target_layout(args: argparse.Namespace, cfg):
+    """The Layout the --target-* flags ask for for the checkpoint's model ``cfg`` (ConfigError naming the --target-
+    flag when they do not fit), checked as a training run's layout and model are, before anything is read: a
+    checkpoint written in a layout no run can have is refused by every reader, and a target the model does not
+    split over (heads, query groups or the MLP over tp) fails the conversion."""
     from omnitron.core.checkpoint.reshard import Layout
     from omnitron.core.config.parallel import ConfigError
+    from omnitron.core.models.family import family_of
+    from omnitron.core.models.gpt.validate import validate_model
     from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges, virtual_pipeline_size
+
+    num_layers, num_experts = cfg.num_layers, getattr(cfg, "num_experts", None)
 
     tp, pp = args.target_tensor_model_parallel_size, args.target_pipeline_model_parallel_size
     first, last = args.target_decoder_first_pipeline_num_layers, args.target_decoder_last_pipeline_num_layers
@@ -152,7 +159,10 @@ def _target_layout(args: argparse.Namespace, num_layers: int, num_experts: int |
         layout = Layout(tp=tp, pp=pp, vp=vp, dp=args.target_data_parallel_size,
                         ep=args.target_expert_model_parallel_size, first=first, last=last, embedding=embedding,
                         loss=loss)
-        layout.parallel_config()  # the training rules for the whole grid
+        parallel = layout.parallel_config()  # the training rules for the whole grid
+        if family_of(cfg).validate is not None:  # the model's rules at that grid, as a run's settings check them
+            family_of(cfg).validate(cfg, parallel)
+        validate_model(cfg, parallel, check_layers=not parallel.uneven_pipeline)
     except ConfigError as err:
         raise ConfigError(re.sub(r"--(?=pipeline-model|num-layers-per|num-virtual|decoder-|account-for|tensor-model|"
                                  r"data-parallel|expert-model)", "--target-", str(err))) from None

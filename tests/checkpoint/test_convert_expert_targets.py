@@ -64,6 +64,11 @@ REFUSED = {  # name: (model, tp, extra flags, what the one line says)
             "use a divisor of 4"),
     "dense_ep2": ("dense", 1, ["--target-expert-model-parallel-size", "2", "--target-data-parallel-size", "2"],
                   "use --target-expert-model-parallel-size 1"),
+    # the model's own rules at the target: they named the training flag (--tensor-model-parallel-size 3), after
+    # reading the whole checkpoint
+    "heads_tp3": ("dense", 3, [], "--num-attention-heads 4 is not divisible by --target-tensor-model-parallel-size 3"),
+    "moe_heads_tp8": ("moe", 8, [], "--num-attention-heads 4 is not divisible by --target-tensor-model-parallel-size "
+                                    "8"),
 }
 
 
