@@ -1,0 +1,72 @@
+"""A model that cannot fit is refused in one line before anything is allocated (``--hidden-size 1000000`` died in the
+CPU allocator inside the model build with a raw traceback, "you tried to allocate 12000000000000 bytes"); a model
+that fits is never refused.
+
+The reference is hand-derived: a GPT-2 layer (LayerNorm, learned positions, tied output layer, biases) holds
+``12 h^2 + 13 h`` parameters (QKV ``3h^2 + 3h``, projection ``h^2 + h``, MLP ``8h^2 + 5h`` at ffn ``4h``, two norms
+``4h``), the model ``V_pad h + s h + L (12 h^2 + 13 h) + 2 h`` (``V_pad``: the vocabulary padded to a multiple of 128);
+an fp32 run without the distributed optimizer holds 16 bytes a parameter (the weight, its fp32 gradient and Adam's two
+fp32 moments; no master copy of an fp32 weight).
+"""
+from __future__ import annotations
+
+import random
+import types
+
+import pytest
+
+from omnitron.cli import main
+from omnitron.core.config.parallel import ConfigError
+from omnitron.core.training.arguments import parse_settings
+from omnitron.core.training.fits import check_fits, state_peak
+
+
+def _argv(h: int, layers: int, vocab: int, seq: int = 16) -> list[str]:
+    return ["--num-layers", str(layers), "--hidden-size", str(h), "--num-attention-heads", "4", "--seq-length",
+            str(seq), "--max-position-embeddings", str(seq), "--micro-batch-size", "1", "--global-batch-size", "1",
+            "--train-iters", "2", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab)]
+
+
+def _hand_bytes(h: int, layers: int, vocab: int, seq: int) -> int:
+    padded = -(-vocab // 128) * 128
+    params = padded * h + seq * h + layers * (12 * h * h + 13 * h) + 2 * h
+    return 16 * params
+
+
+class _Device:
+    """A backend as the check sees it: a name and the device's total memory (its capabilities)."""
+
+    name = "test"
+
+    def __init__(self, total: int | None) -> None:
+        self.total = total
+
+    def capabilities(self):
+        return types.SimpleNamespace(memory_total=self.total)
+
+
+def test_the_bound_is_the_state_bytes_and_only_a_larger_state_is_refused():
+    """Fresh random sizes: the counted bytes equal the hand-derived ones, a device one byte short refuses the run in
+    one line naming the flags to change, one of exactly that size (or that cannot say) accepts it."""
+    rng = random.Random()
+    for _ in range(3):
+        h, layers, vocab, seq = 4 * rng.randint(2, 24), rng.randint(1, 3), rng.randint(2, 300), rng.choice([8, 16])
+        settings = parse_settings(_argv(h, layers, vocab, seq), 1)
+        want = _hand_bytes(h, layers, vocab, seq)
+        assert state_peak(settings) == (want, 0), (h, layers, vocab, seq)
+        check_fits(settings, _Device(want))
+        check_fits(settings, _Device(None))
+        with pytest.raises(ConfigError, match=r"^the model does not fit: .*--hidden-size") as err:
+            check_fits(settings, _Device(want - 1))
+        assert len(str(err.value).splitlines()) == 1
+
+
+def test_an_absurd_hidden_size_stops_the_command_line_in_one_line(capsys):
+    """``omnitron train --hidden-size 1000000`` (2 layers: 2.4e13 parameters, 384 TB of state) on the CPU backend:
+    exit code 2 and one line, before the model is built (it raised the allocator's RuntimeError from the build)."""
+    need = _hand_bytes(1_000_000, 2, 64, 16)
+    assert need == 384_002_752_000_000
+    assert main(["train", *_argv(1_000_000, 2, 64), "--no-tensorboard"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{need / 2**30:,.1f} GiB of parameters, gradients and optimizer state" in err, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
