@@ -1,5 +1,7 @@
 """Pipeline schedules and layer placement as pure data: no processes."""
 
+import os
+
 import pytest
 
 from omnitron.core.config import ConfigError
@@ -117,8 +119,9 @@ def test_zb_v_below_p_micro_batches_is_a_valid_v_no_slower_than_the_one_chunk_sc
     bound hand-derived here and equals it while m <= p / 2: rank p - 1 runs both chunks' forwards of every
     micro-batch, 2m units from time p - 1 at the earliest, and the micro-batch of its last one still has p - 1
     forwards, 2p - 1 B's (stage 0's is free) and stage 0's W (2) to go: 4p + 2m - 1, beside the 6m + p - 1 of
-    p - 1 start-up forwards and 6m units of work a rank. (Above p / 2 it stays a few units over: 8 at p = 16,
-    m = 12.) It is shorter than ZB-H1 and 1F1B over the same model (two chunks a stage: their step doubled) and
+    p - 1 start-up forwards and 6m units of work a rank. (Above p / 2 it is over both, 8 units at p = 16, m = 12:
+    there no V table is shorter, test_zb_v_below_p_takes_the_shortest_step_of_any_v_table.)
+    It is shorter than ZB-H1 and 1F1B over the same model (two chunks a stage: their step doubled) and
     holds no more chunk activations than they do (2m, every micro-batch's two chunks)."""
     from omnitron.core.parallel.pipeline.vshape import schedule_zb_v
 
@@ -132,6 +135,27 @@ def test_zb_v_below_p_micro_batches_is_a_valid_v_no_slower_than_the_one_chunk_sc
                 other = simulate(build_schedule(name, pp, 1, m), stage_cost=zb_stage_cost)
                 assert tl.makespan < 2 * other.makespan, (name, pp, m)
                 assert max(tl.peak_inflight.values()) <= 2 * max(other.peak_inflight.values()), (name, pp, m)
+
+
+def test_zb_v_below_p_takes_the_shortest_step_of_any_v_table():
+    """At m < p zb-v's step was documented as "a few units over" max(6m + p - 1, 4p + 2m - 1) above p / 2 (8 at
+    p = 16, m = 12), an open question whether a better order existed. The reference: the shortest step any V table
+    can take on this ideal clock, proven by an exact solver (CP-SAT) over a relaxation of the legal tables (no
+    memory cap, no micro-batch or p2p order: ``zbv_optimum/make_fixtures.py``), for every m < p up to p = 16. zb-v's
+    list schedule reaches it in every case: no better legal order exists. (The optimum there is 4m + 3p - 1 above
+    p / 2; the fixtures are the solver's, not this formula.)"""
+    import json
+
+    from omnitron.core.parallel.pipeline.vshape import schedule_zb_v
+
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zbv_optimum", "fixtures.json")
+    with open(here) as f:
+        cases = json.load(f)["cases"]
+    assert {(c["pp"], c["microbatches"]) for c in cases} == {(p, m) for p in range(2, 17) for m in range(1, p)}
+    for c in cases:
+        pp, m = c["pp"], c["microbatches"]
+        span = simulate(schedule_zb_v(pp, m), stage_cost=zb_stage_cost).makespan
+        assert span == c["optimum"], (pp, m, span, c["optimum"])
 
 
 def test_simulator_catches_broken_tables():

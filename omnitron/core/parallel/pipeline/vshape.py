@@ -129,8 +129,10 @@ def schedule_zb_v(pp: int, num_microbatches: int,
     (``tests/parallel/test_vshape_reference.py``). Where they miss it (m < p, which the published scheduler
     takes too), the tail's chunk-1-first order and caps raised by up to three are tried too, and the shortest kept,
     then the one holding least (no other schedule is fallen back to): at m <= p / 2 that reaches ``4p + 2m - 1``, the
-    bound of rank ``p - 1``'s 2m forwards and the path after them, above p / 2 a few units more (8 at p = 16,
-    m = 12), shorter than ZB-H1 and 1F1B in every case (``tests/parallel/test_pipeline_schedules.py``); one unit
+    bound of rank ``p - 1``'s 2m forwards and the path after them, above p / 2 ``4m + 3p - 1`` (8 units over both
+    bounds at p = 16, m = 12), the shortest step of any V table there: an exact solver finds none shorter for any
+    m < p up to p = 16, even without memory caps or p2p order (``tests/parallel/zbv_optimum``); shorter than ZB-H1
+    and 1F1B in every case (``tests/parallel/test_pipeline_schedules.py``); one unit
     shorter for one chunk more (2p + 2 with the W inputs) at (p, m) = (10, 9), (11, 8), (12, 10), (14, 10),
     (15, 12), (15, 14) up to p = 16. NOTE: pure Python, built once per micro-batch count: 2 s at p = 32, m = 256.
     """
