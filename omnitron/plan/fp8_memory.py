@@ -50,11 +50,12 @@ its module's forward, at the arrival of its output's gradient and at the end of 
 (:func:`omnitron.plan.transients._mark_linears`; an MoE layer's routed experts through their GEMM seam); the replayed
 log adds, at a linear's forward and backward markers, what its FP8 pass creates (:func:`linear_peak`, at the rows it
 sees: an expert's, :func:`omnitron.plan.fp8_moe.probe_experts`), holds its FP8 copy from its forward to its backward's
-end (a split backward's B, which runs dx and the bias gradient only: to its W), and takes its wide input off from its module's end (until then the wide input, the module's argument, is live
-beside the FP8 copy) until the wide log frees it (once a storage; never where another op keeps it). Per pass (``t``
-tokens, weight ``[out, in]``; :mod:`omnitron.plan.fp8_passes`): backward, the output gradient's FP8 form and transpose
-and, tensorwise, scale (``2 t out + 4``), then dx, the FP8 form freed, the bias gradient, then dw; emulated, each
-GEMM's fp32 copies of its operands and its fp32 product, and the reference cast's fp32 copy
+end (a split backward's B, which runs dx and the bias gradient only: to its W), and takes its wide input off from its
+module's end (until then the wide input, the module's argument, is live beside the FP8 copy) until the wide log
+frees it (once a storage; never where another op keeps it). Per pass (``t`` tokens, weight ``[out, in]``;
+:mod:`omnitron.plan.fp8_passes`): backward, the output gradient's FP8 form and transpose and, tensorwise, scale
+(``2 t out + 4``), then dx, the FP8 form freed, the bias gradient, then dw; emulated, each GEMM's fp32 copies
+of its operands and its fp32 product, and the reference cast's fp32 copy
 (:func:`~omnitron.plan.fp8_passes.per_tensor_backward`); delayed, its cast's amax and step-amax update (4 bytes each;
 natively the Triton cast's per-tile amaxes: :func:`~omnitron.plan.fp8_passes.per_tensor_cast`); block-wise, the gradient
 quantized twice and the saved wide input once in 128-tiles, each with an fp32 copy, and the emulated GEMMs' fp32
