@@ -74,14 +74,13 @@ saves; its weights' FP8 form is held for the step as eager's is: ``core/precisio
 reducer's step-end temporaries (``push_packed``'s stacked histories, a few ``[roles, history]`` fp32 tensors, after the
 backward has freed the activations), ``--fp8-impl torchao``, which op keeps a linear's input on another device (the
 probe's attention path is this CPU's); in the transients, block-wise tiles that are not whole (a ragged dimension pads a
-copy and expands the scales), ``_scaled_mm``'s alignment padding (a dimension not a multiple of 16), a bias added after
-the GEMM (one more output-sized tensor), the experts of the layers ``--first-last-layers-bf16`` keeps wide under
-``--moe-grouped-gemm`` (they run the grouped GEMM, which stacks the local experts' weights in its forward and again in
-its backward, but are priced as each expert's own GEMMs: FP8 experts run those, so the plan probes every layer without
-the grouped GEMM,
-:func:`omnitron.plan.fp8_moe.experts_as_run`), the experts of a probe with fewer
-experts than the model (16 for more that divide by it: each expert's rows and passes larger, an upper bound), and a wide
-input a module keeps past its own return.
+copy and expands the scales), ``_scaled_mm``'s alignment padding (a dimension not a multiple of 16), the experts of
+the layers ``--first-last-layers-bf16`` keeps wide under ``--moe-grouped-gemm`` (they run the grouped GEMM, which
+stacks the local experts' weights in its forward and again in its backward, but are priced as each expert's own
+GEMMs: FP8 experts run those, so the plan probes every layer without the grouped GEMM,
+:func:`omnitron.plan.fp8_moe.experts_as_run`), the experts of a probe with fewer experts than the model (16 for
+more that divide by it: each expert's rows and passes larger, an upper bound), and a wide input a module keeps past
+its own return.
 Multi-token prediction's layers are counted in FP8 under ``--first-last-layers-bf16`` too, as the engine runs them
 (Megatron's ``layer_no=-1``: never kept wide).
 """
@@ -308,7 +307,8 @@ def chunk_linears(settings, cfg, pp_rank: int) -> dict[int, dict[tuple[int, str]
     (per-tensor: ``(e - 1) x in x tokens - 4``, the :func:`saved_less` of a linear reading its own input; block-wise:
     0); ``saved``: the bytes of that saved input and its scale (``in x tokens + 4``, delayed without the 4; block-wise:
     0, it saves the wide input); ``tokens``: the rows its GEMMs see (the micro-batch's whole sequence over cp);
-    ``bias``: whether it has one (its gradient is priced in its backward: :func:`~.fp8_passes.bias_grad`). A chunk
+    ``bias``: whether its GEMM gets one (:func:`gemm_bias`; added after the FP8 GEMM, its gradient made in the
+    backward: :func:`~.fp8_passes.bias_add`, :func:`~.fp8_passes.bias_grad`). A chunk
     with MoE layers is probed with every layer MoE: each of its FP8 layers gets the probe's experts'
     (:func:`omnitron.plan.fp8_moe.probe_experts`). Empty without ``--fp8-format``."""
     from omnitron.core.precision.fp8.enable import DEFAULT_EXCLUDE, linear_modules
@@ -339,9 +339,20 @@ def chunk_linears(settings, cfg, pp_rank: int) -> dict[int, dict[tuple[int, str]
             o, k = m.weight.shape
             saved = SAVED_INPUT * k * t + own_scale(settings.fp8) if settings.fp8.per_tensor else 0
             was = 0 if name[d.end():] in kept else e * k * t  # another op keeps the input: the FP8 copy is extra
-            has_bias = getattr(m, "bias", None) is not None
+            has_bias = gemm_bias(m)
             out[c][(len(flags) - 1 - i, name[d.end():])] = (o, k, was - saved if saved else 0, saved, t, has_bias)
     return out
+
+
+def gemm_bias(m) -> bool:
+    """Whether linear module ``m`` hands its bias to its GEMM (the FP8 executor then adds it after the GEMM and makes
+    its gradient): not where ``skip_bias_add`` returns it to a fused op (bias-dropout-add, bias-activation), nor where
+    a row-parallel linear over more than one rank adds it after the reduction (``tensor/layers.py``)."""
+    from omnitron.core.parallel.tensor.layers import RowParallelLinear
+
+    if getattr(m, "bias", None) is None or getattr(m, "skip_bias_add", False):
+        return False
+    return not isinstance(m, RowParallelLinear) or m.group.size == 1
 
 
 def linear_peak(settings, cfg, kind: str, out: int, inp: int, native: bool, t: float | None = None,
@@ -357,9 +368,9 @@ def linear_peak(settings, cfg, kind: str, out: int, inp: int, native: bool, t: f
     deferred = kind == "input"
     if settings.fp8.per_tensor:
         delayed = settings.fp8.fp8_recipe == "delayed"
-        return per_tensor_forward(t, out, inp, e, native, delayed) if kind == "forward" else \
+        return per_tensor_forward(t, out, inp, e, native, delayed, bias) if kind == "forward" else \
             per_tensor_backward(t, out, inp, e, e, native, delayed, bias, deferred)
-    return blockwise_forward(t, out, inp, e, native) if kind == "forward" else \
+    return blockwise_forward(t, out, inp, e, native, bias) if kind == "forward" else \
         blockwise_backward(t, out, inp, e, e, native, bias, deferred)
 
 
@@ -409,7 +420,7 @@ def replay_fp8(settings, cfg, events: list, sizes: list[float], linears: dict, n
         key = (int(layer), name)
         if key not in linears:
             continue
-        o, k, less, saved, t, *bias = linears[key]  # an MoE expert's entry has no bias field: none priced
+        o, k, less, saved, t, *bias = linears[key]
         if kind in ("forward", "backward", "weight"):  # B of a split backward: its weight-gradient GEMM in W
             priced = "input" if kind == "backward" and key in stash else kind
             has_bias = bool(bias and bias[0])

@@ -112,16 +112,24 @@ def per_tensor_wgrad(t: int, out: int, inp: int, ew: int, native: bool) -> int:
     return dw if native else max(_emulated_mm(out, t, inp), F32 * out * inp + dw)
 
 
-def per_tensor_forward(t: int, out: int, inp: int, e: int, native: bool, delayed: bool = False) -> int:
+def per_tensor_forward(t: int, out: int, inp: int, e: int, native: bool, delayed: bool = False,
+                       bias: bool = False) -> int:
     """Peak bytes a per-tensor FP8 linear's forward creates beside the weight's cached FP8 form: the input's FP8 form
     ``qx`` ``[t, inp]``, its transpose ``qx_t`` (saved for backward) and, tensorwise, its scale
     (:func:`per_tensor_cast`), then ``y`` ``[t, out]`` in the input's dtype (``e`` bytes); emulated, the GEMM's fp32
-    copies and product and the reference cast's copy."""
+    copies and product and the reference cast's copy. With a ``bias``: ``y + bias``, a second ``y`` beside the
+    GEMM's (:func:`bias_add`)."""
     cast, q = per_tensor_cast(t, inp, native, delayed)
     y = e * t * out
     if native:
-        return max(cast, q + y)
-    return max(cast, q + _emulated_mm(t, inp, out), q + F32 * t * out + y)
+        return max(cast, q + y + bias_add(y, bias))
+    return max(cast, q + _emulated_mm(t, inp, out), q + F32 * t * out + y, q + y + bias_add(y, bias))
+
+
+def bias_add(y: int, bias: bool) -> int:
+    """Bytes the forward's bias add (``_FP8LinearFn.forward``: ``y = y + bias``, after the GEMM: the FP8 GEMMs take
+    no bias) makes beside the GEMM's output of ``y`` bytes: its sum, as large (0 without a bias)."""
+    return y if bias else 0
 
 
 def _block_scales(m: int, k: int, block: tuple[int, int]) -> int:
@@ -169,10 +177,12 @@ def blockwise_wgrad(t: int, out: int, inp: int, ew: int, native: bool) -> int:
     return max(px, xq + (0 if native else _block_mm(out, t, inp)) + ew * out * inp)
 
 
-def blockwise_forward(t: int, out: int, inp: int, e: int, native: bool) -> int:
+def blockwise_forward(t: int, out: int, inp: int, e: int, native: bool, bias: bool = False) -> int:
     """Peak bytes a block-wise FP8 linear's forward creates beside the cached weight: the input quantized in 1x128
-    tiles (not saved: the forward saves the input wide), then ``y``; emulated, the GEMM's fp32 operands and product."""
+    tiles (not saved: the forward saves the input wide), then ``y``; emulated, the GEMM's fp32 operands and product
+    (freed on its return); with a ``bias``, ``y + bias`` beside ``y`` (:func:`bias_add`)."""
     p, q = _quantize_blocks(t, inp, (1, 128))
-    return max(p, q + (0 if native else _block_mm(t, inp, out)) + e * t * out)
+    y = e * t * out
+    return max(p, q + (0 if native else _block_mm(t, inp, out)) + y, q + y + bias_add(y, bias))
 
 
