@@ -50,11 +50,12 @@ its module's forward, at the arrival of its output's gradient and at the end of 
 (:func:`omnitron.plan.transients._mark_linears`; an MoE layer's routed experts through their GEMM seam); the replayed
 log adds, at a linear's forward and backward markers, what its FP8 pass creates (:func:`linear_peak`, at the rows it
 sees: an expert's, :func:`omnitron.plan.fp8_moe.probe_experts`), holds its FP8 copy from its forward to its backward's
-end, and takes its wide input off from its module's end (until then the wide input, the module's argument, is live
-beside the FP8 copy) until the wide log frees it (once a storage; never where another op keeps it). Per pass (``t``
-tokens, weight ``[out, in]``; :mod:`omnitron.plan.fp8_passes`): backward, the output gradient's FP8 form and transpose
-and, tensorwise, scale (``2 t out + 4``), then dx, the FP8 form freed, the bias gradient, then dw; emulated, each
-GEMM's fp32 copies of its operands and its fp32 product, and the reference cast's fp32 copy
+end (a split backward's B, which runs dx and the bias gradient only: to its W), and takes its wide input off from its
+module's end (until then the wide input, the module's argument, is live beside the FP8 copy) until the wide log
+frees it (once a storage; never where another op keeps it). Per pass (``t`` tokens, weight ``[out, in]``;
+:mod:`omnitron.plan.fp8_passes`): backward, the output gradient's FP8 form and transpose and, tensorwise, scale
+(``2 t out + 4``), then dx, the FP8 form freed, the bias gradient, then dw; emulated, each GEMM's fp32 copies
+of its operands and its fp32 product, and the reference cast's fp32 copy
 (:func:`~omnitron.plan.fp8_passes.per_tensor_backward`); delayed, its cast's amax and step-amax update (4 bytes each;
 natively the Triton cast's per-tile amaxes: :func:`~omnitron.plan.fp8_passes.per_tensor_cast`); block-wise, the gradient
 quantized twice and the saved wide input once in 128-tiles, each with an fp32 copy, and the emulated GEMMs' fp32
@@ -73,14 +74,13 @@ saves; its weights' FP8 form is held for the step as eager's is: ``core/precisio
 reducer's step-end temporaries (``push_packed``'s stacked histories, a few ``[roles, history]`` fp32 tensors, after the
 backward has freed the activations), ``--fp8-impl torchao``, which op keeps a linear's input on another device (the
 probe's attention path is this CPU's); in the transients, block-wise tiles that are not whole (a ragged dimension pads a
-copy and expands the scales), ``_scaled_mm``'s alignment padding (a dimension not a multiple of 16), a bias added after
-the GEMM (one more output-sized tensor), the experts of the layers ``--first-last-layers-bf16`` keeps wide under
-``--moe-grouped-gemm`` (they run the grouped GEMM, which stacks the local experts' weights in its forward and again in
-its backward, but are priced as each expert's own GEMMs: FP8 experts run those, so the plan probes every layer without
-the grouped GEMM,
-:func:`omnitron.plan.fp8_moe.experts_as_run`), the experts of a probe with fewer
-experts than the model (16 for more that divide by it: each expert's rows and passes larger, an upper bound), and a wide
-input a module keeps past its own return.
+copy and expands the scales), ``_scaled_mm``'s alignment padding (a dimension not a multiple of 16), the experts of
+the layers ``--first-last-layers-bf16`` keeps wide under ``--moe-grouped-gemm`` (they run the grouped GEMM, which
+stacks the local experts' weights in its forward and again in its backward, but are priced as each expert's own
+GEMMs: FP8 experts run those, so the plan probes every layer without the grouped GEMM,
+:func:`omnitron.plan.fp8_moe.experts_as_run`), the experts of a probe with fewer experts than the model (16 for
+more that divide by it: each expert's rows and passes larger, an upper bound), and a wide input a module keeps past
+its own return.
 Multi-token prediction's layers are counted in FP8 under ``--first-last-layers-bf16`` too, as the engine runs them
 (Megatron's ``layer_no=-1``: never kept wide).
 """
@@ -307,7 +307,8 @@ def chunk_linears(settings, cfg, pp_rank: int) -> dict[int, dict[tuple[int, str]
     (per-tensor: ``(e - 1) x in x tokens - 4``, the :func:`saved_less` of a linear reading its own input; block-wise:
     0); ``saved``: the bytes of that saved input and its scale (``in x tokens + 4``, delayed without the 4; block-wise:
     0, it saves the wide input); ``tokens``: the rows its GEMMs see (the micro-batch's whole sequence over cp);
-    ``bias``: whether it has one (its gradient is priced in its backward: :func:`~.fp8_passes.bias_grad`). A chunk
+    ``bias``: whether its GEMM gets one (:func:`gemm_bias`; added after the FP8 GEMM, its gradient made in the
+    backward: :func:`~.fp8_passes.bias_add`, :func:`~.fp8_passes.bias_grad`). A chunk
     with MoE layers is probed with every layer MoE: each of its FP8 layers gets the probe's experts'
     (:func:`omnitron.plan.fp8_moe.probe_experts`). Empty without ``--fp8-format``."""
     from omnitron.core.precision.fp8.enable import DEFAULT_EXCLUDE, linear_modules
@@ -338,27 +339,39 @@ def chunk_linears(settings, cfg, pp_rank: int) -> dict[int, dict[tuple[int, str]
             o, k = m.weight.shape
             saved = SAVED_INPUT * k * t + own_scale(settings.fp8) if settings.fp8.per_tensor else 0
             was = 0 if name[d.end():] in kept else e * k * t  # another op keeps the input: the FP8 copy is extra
-            has_bias = getattr(m, "bias", None) is not None
+            has_bias = gemm_bias(m)
             out[c][(len(flags) - 1 - i, name[d.end():])] = (o, k, was - saved if saved else 0, saved, t, has_bias)
     return out
+
+
+def gemm_bias(m) -> bool:
+    """Whether linear module ``m`` hands its bias to its GEMM (the FP8 executor then adds it after the GEMM and makes
+    its gradient): not where ``skip_bias_add`` returns it to a fused op (bias-dropout-add, bias-activation), nor where
+    a row-parallel linear over more than one rank adds it after the reduction (``tensor/layers.py``)."""
+    from omnitron.core.parallel.tensor.layers import RowParallelLinear
+
+    if getattr(m, "bias", None) is None or getattr(m, "skip_bias_add", False):
+        return False
+    return not isinstance(m, RowParallelLinear) or m.group.size == 1
 
 
 def linear_peak(settings, cfg, kind: str, out: int, inp: int, native: bool, t: float | None = None,
                 bias: bool = False) -> float:
     """Peak bytes one FP8 linear of weight ``[out, inp]`` (with a ``bias`` or not) creates in its ``kind`` pass
-    (``forward``, ``backward``, or ``weight``: a split backward's W alone) for ``t`` rows (None: one micro-batch of
-    ``settings``, the whole sequence over cp) in the model's dtype."""
+    (``forward``, ``backward``; of a split backward ``input``, B's half, or ``weight``, W's) for ``t`` rows (None:
+    one micro-batch of ``settings``, the whole sequence over cp) in the model's dtype."""
     if t is None:
         t = cfg.seq_length // settings.parallel.context_parallel_size * settings.training.micro_batch_size
     e = cfg.params_dtype.itemsize
     if kind == "weight":
         return (per_tensor_wgrad if settings.fp8.per_tensor else blockwise_wgrad)(t, out, inp, e, native)
+    deferred = kind == "input"
     if settings.fp8.per_tensor:
         delayed = settings.fp8.fp8_recipe == "delayed"
-        return per_tensor_forward(t, out, inp, e, native, delayed) if kind == "forward" else \
-            per_tensor_backward(t, out, inp, e, e, native, delayed, bias)
-    return blockwise_forward(t, out, inp, e, native) if kind == "forward" else \
-        blockwise_backward(t, out, inp, e, e, native, bias)
+        return per_tensor_forward(t, out, inp, e, native, delayed, bias) if kind == "forward" else \
+            per_tensor_backward(t, out, inp, e, e, native, delayed, bias, deferred)
+    return blockwise_forward(t, out, inp, e, native, bias) if kind == "forward" else \
+        blockwise_backward(t, out, inp, e, e, native, bias, deferred)
 
 
 def fp8_replay_peak(settings, cfg, events: list, sizes: list[float], linears: dict, native: bool,
@@ -373,11 +386,13 @@ def replay_fp8(settings, cfg, events: list, sizes: list[float], linears: dict, n
     """(peak of a wide transient probe's replayed log (:func:`omnitron.plan.transients.scaled_log`, with
     :func:`~omnitron.plan.transients.marker` events) as the chunk's FP8 linears (``linears``: :func:`chunk_linears`'s
     entry for it) run it, the probed layers' 1-byte savings (``saved less``) that the activation term takes off the
-    whole chunk). A linear's FP8 saved input is held from its forward to the end of its own backward. Its wide input,
+    whole chunk). A linear's FP8 saved input is held from its forward to the end of its own backward (of a split
+    backward whose B defers its weight gradient, to its ``weight`` marker: W's GEMM reads it). Its wide input,
     which the wide log holds until the last linear saving it has run its backward, is taken off from the end of the
     forward of the module holding the linear (until then it is that module's argument or local) to that free in the
     wide log, once a storage, unless another op keeps it (``saved less + saved`` 0: :func:`kept_inputs`). At a
-    linear's ``forward`` and ``backward`` markers, what its FP8 pass creates (:func:`linear_peak`) is added.
+    linear's ``forward``, ``backward`` and ``weight`` markers, what its FP8 pass creates (:func:`linear_peak`; B's
+    half at ``backward`` where W makes the weight gradient) is added.
     ``layers``: the probe's; a layer it recomputes in full (:func:`~omnitron.plan.transients.probe_recomputed`) holds
     its FP8 saved inputs from its rerun forward, and the activation term takes nothing off for it."""
     recomputed = probe_recomputed(cfg, layers)
@@ -391,6 +406,7 @@ def replay_fp8(settings, cfg, events: list, sizes: list[float], linears: dict, n
             held -= credits.pop(n, 0.0)  # the wide input freed in the wide log: nothing more to take off
             continue
         if op == W_START:  # B has ended: the output gradients only FP8 linears kept give way to their stand-ins
+            held -= cfg.params_dtype.itemsize * len(stashed)  # (one element each, :func:`w_operands`)
             for source in freed:
                 if source in alive and source not in credits:
                     credits[source] = sizes[source]
@@ -404,9 +420,11 @@ def replay_fp8(settings, cfg, events: list, sizes: list[float], linears: dict, n
         key = (int(layer), name)
         if key not in linears:
             continue
-        o, k, less, saved, t, *bias = linears[key]  # an MoE expert's entry has no bias field: none priced
-        if kind in ("forward", "backward", "weight"):
-            best = max(best, live - held + linear_peak(settings, cfg, kind, o, k, native, t, bool(bias and bias[0])))
+        o, k, less, saved, t, *bias = linears[key]
+        if kind in ("forward", "backward", "weight"):  # B of a split backward: its weight-gradient GEMM in W
+            priced = "input" if kind == "backward" and key in stash else kind
+            has_bias = bool(bias and bias[0])
+            best = max(best, live - held + linear_peak(settings, cfg, priced, o, k, native, t, has_bias))
         if kind == "forward":
             seen[key] = seen.get(key, 0) + 1
             if seen[key] == (2 if key[0] in recomputed else 1):  # kept: the forward; recomputed: the rerun
@@ -419,12 +437,12 @@ def replay_fp8(settings, cfg, events: list, sizes: list[float], linears: dict, n
             if less + saved > 0 and source in alive and source not in credits:
                 credits[source] = sizes[source]
                 held += sizes[source]
-        elif kind == "end" and key in holding:
+        elif kind == ("weight" if key in stash else "end") and key in holding:  # W's GEMM reads it: kept till W
             holding.discard(key)
             held += saved
         if kind == "end" and key in stash and key not in stashed:  # B stashed W's operands beside the kept gradient
             stashed.add(key)
-            held -= stash[key]
+            held -= stash[key] - cfg.params_dtype.itemsize  # the stand-in comes when B has ended
         elif kind == "weight" and key in stashed:  # W has read them
             stashed.discard(key)
             held += stash[key]
@@ -465,8 +483,24 @@ def fp8_w_inputs(settings, cfg, events: list, sizes: list[float], linears: dict)
     """:func:`omnitron.plan.transients.w_inputs` of a wide split probe's replayed log as the chunk's FP8 linears
     (``linears``: :func:`chunk_linears`'s entry) hold it after B: an output gradient kept only at FP8 linears'
     boundaries is freed, and each of those linears holds its :func:`w_operands` instead; a gradient another boundary
-    keeps too (a norm's, the plan's received gradient) stays whole beside them (:func:`split_operands`)."""
+    keeps too (a norm's, the plan's received gradient) stays whole beside them (:func:`split_operands`). Under full
+    recomputation B's rerun keeps each weight boundary's saved tensors for W (``tensor/recompute.py``): a rerun
+    per-tensor FP8 linear's are its 1-byte input copy and scale, where the wide log's linear kept its wide input
+    (once a group reading one tensor; another op's copy is not kept: its node is no weight boundary)."""
     from omnitron.plan.transients import w_inputs
 
     stash, freed = split_operands(settings, cfg, events, sizes, linears)
-    return w_inputs(events, sizes) - sum(sizes[s] for s in freed) + sum(stash.values())
+    later = {n for names, _ in input_groups(cfg) for n in names[1:]} if settings.fp8.per_tensor else set()
+    e, reran = cfg.params_dtype.itemsize, _reran(events)
+    rerun_less = sum((0 if key[1] in later else e * linears[key][1] * linears[key][4]) - linears[key][3]
+                     for key in stash if key in reran and linears[key][3])
+    return w_inputs(events, sizes) - sum(sizes[s] for s in freed) + sum(stash.values()) - rerun_less
+
+
+def _reran(events: list) -> set:
+    """The linears (keys as in :func:`chunk_linears`) whose forward a probe's log runs twice (full recomputation)."""
+    from collections import Counter
+
+    forwards = Counter(tuple(op[len(LINEAR):-1].split(" ")[1:3]) for op, _ in events
+                       if op is not None and op.startswith(LINEAR + "forward "))
+    return {(int(layer), name) for (layer, name), n in forwards.items() if n > 1}

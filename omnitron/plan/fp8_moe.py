@@ -68,18 +68,19 @@ def layer_less(fp8, cfg, s: int, b: int, tp: int, sp: bool, ep: int, etp: int, s
     return less
 
 
-def probe_experts(settings, cfg, layer) -> dict[str, tuple[int, int, float, float, float]]:
-    """``{name in the layer: (out, in, saved less, saved, tokens)}`` of the FP8 expert linears of one MoE layer of the
-    transient probe (module docstring), as :func:`omnitron.plan.fp8_memory.chunk_linears` gives a dense linear's, the
-    shapes those of ``layer`` (a decoder layer of the rank's skeleton with an MoE MLP: its tp-local, etp-sharded
+def probe_experts(settings, cfg, layer) -> dict[str, tuple[int, int, float, float, float, bool]]:
+    """``{name in the layer: (out, in, saved less, saved, tokens, bias)}`` of the FP8 expert linears of one MoE layer of
+    the transient probe (module docstring), as :func:`omnitron.plan.fp8_memory.chunk_linears` gives a dense linear's,
+    the shapes those of ``layer`` (a decoder layer of the rank's skeleton with an MoE MLP: its tp-local, etp-sharded
     weights); ``tokens``, the rows each pass is priced at: a routed expert's on the rank at balanced routing
     (:func:`omnitron.plan.moe.moe_local`: ``T k ep etp / (tp E)``, which the probe's one process, routing ``T`` tokens
     over its ``E'`` experts with no ep, does not see), the shared expert's ``T``. Saved inputs as the probe holds
     them: the ``E'`` experts' fc1 and fc2 at ``T k / E'`` rows each, the shared expert's at ``T``; the probe runs
     without SP, so a router in the model's dtype keeps the shared fc1's input (its ``saved less`` is then the FP8
-    copy's bytes, negative)."""
+    copy's bytes, negative); ``bias``: whether the GEMM gets one (:func:`~omnitron.plan.fp8_memory.gemm_bias`)."""
     from omnitron.core.precision.fp8.enable import linear_modules
     from omnitron.core.transformer.moe.router import keeps_input
+    from omnitron.plan.fp8_memory import gemm_bias
     from omnitron.plan.moe import moe_local
     from omnitron.plan.moe_activations import probe_num_experts
 
@@ -88,24 +89,24 @@ def probe_experts(settings, cfg, layer) -> dict[str, tuple[int, int, float, floa
     e = cfg.params_dtype.itemsize
     tp, ep, etp = pc.tensor_model_parallel_size, pc.expert_model_parallel_size, pc.etp
     real = max(moe_local(cfg, SimpleNamespace(tokens=T, tp=tp), ep, etp, pc.sequence_parallel).rows)
-    shapes = {}
+    shapes = {}  # (out, in, bias: whether the GEMM gets one; a routed fc2's never: expert_mlp adds it after)
     for name, m in linear_modules(layer):
         routed = ROUTED.match(name)
         if routed:
-            shapes.setdefault(f"fc{routed.group(2)}", tuple(m.weight.shape))
+            shapes.setdefault(f"fc{routed.group(2)}", (*m.weight.shape, routed.group(2) == "1" and gemm_bias(m)))
         elif name in SHARED:
-            shapes[name] = tuple(m.weight.shape)
+            shapes[name] = (*m.weight.shape, gemm_bias(m))
     experts = probe_num_experts(cfg, tp, etp)
     rows = T * cfg.moe_router_topk / experts
     out = {}
     for j in range(experts):
         for which in ("fc1", "fc2"):
-            o, k = shapes[which]
-            out[f"mlp.experts.{j}.linear_{which}"] = (*_entry(fp8, e, o, k, rows, True)[:4], real)
+            o, k, bias = shapes[which]
+            out[f"mlp.experts.{j}.linear_{which}"] = (*_entry(fp8, e, o, k, rows, True)[:4], real, bias)
     for name in SHARED:
         if name in shapes:
-            o, k = shapes[name]
-            out[name] = _entry(fp8, e, o, k, T, name != SHARED[0] or not keeps_input(cfg))
+            o, k, bias = shapes[name]
+            out[name] = (*_entry(fp8, e, o, k, T, name != SHARED[0] or not keeps_input(cfg)), bias)
     return out
 
 

@@ -84,7 +84,7 @@ def bias_grad(out: int, ew: int) -> tuple[int, int]:
 
 
 def per_tensor_backward(t: int, out: int, inp: int, e: int, ew: int, native: bool, delayed: bool = False,
-                        bias: bool = False) -> int:
+                        bias: bool = False, deferred: bool = False) -> int:
     """Peak bytes a per-tensor FP8 linear's backward (``_FP8LinearFn._backward``) creates for ``t`` tokens, weight
     ``[out, inp]``, the input's dtype ``e`` bytes and the weight's ``ew``: the output gradient's FP8 form ``qg``
     ``[t, out]``, its transpose ``qg_t`` (1 byte an element each) and, tensorwise, its scale (:func:`per_tensor_cast`;
@@ -92,15 +92,16 @@ def per_tensor_backward(t: int, out: int, inp: int, e: int, ew: int, native: boo
     made (``_grad_output_gemms`` hands on only ``qg_t`` and the scale, the weight-gradient GEMM's operands), then
     ``dw = qg_t @ x_t`` in the weight's dtype. Emulated (no FP8 GEMM), each GEMM's fp32 copies of its operands and its
     fp32 product (:func:`_emulated_mm`), and the reference cast's fp32 copy; native (``_scaled_mm``), none. With a
-    ``bias``, its gradient is made between the two GEMMs (:func:`bias_grad`)."""
+    ``bias``, its gradient is made between the two GEMMs (:func:`bias_grad`). ``deferred``: B of a split backward,
+    which stops there (``qg_t``, the scale and ``db`` stashed for W; :func:`per_tensor_wgrad` prices W's GEMM)."""
     cast, q = per_tensor_cast(t, out, native, delayed)
     dx, dw = e * t * inp, ew * out * inp
     most, db = bias_grad(out, ew) if bias else (0, 0)
     kept = q - t * out + dx  # qg_t and the scale, after qg goes, and dx
     if native:
-        return max(cast, q + dx, kept + most, kept + db + dw)
-    return max(cast, q + _emulated_mm(t, out, inp), q + F32 * t * inp + dx, kept + most,
-               kept + db + _emulated_mm(out, t, inp), kept + db + F32 * out * inp + dw)
+        return max(cast, q + dx, kept + most, *([] if deferred else [kept + db + dw]))
+    wgrad = [] if deferred else [kept + db + _emulated_mm(out, t, inp), kept + db + F32 * out * inp + dw]
+    return max(cast, q + _emulated_mm(t, out, inp), q + F32 * t * inp + dx, kept + most, *wgrad)
 
 
 def per_tensor_wgrad(t: int, out: int, inp: int, ew: int, native: bool) -> int:
@@ -111,16 +112,24 @@ def per_tensor_wgrad(t: int, out: int, inp: int, ew: int, native: bool) -> int:
     return dw if native else max(_emulated_mm(out, t, inp), F32 * out * inp + dw)
 
 
-def per_tensor_forward(t: int, out: int, inp: int, e: int, native: bool, delayed: bool = False) -> int:
+def per_tensor_forward(t: int, out: int, inp: int, e: int, native: bool, delayed: bool = False,
+                       bias: bool = False) -> int:
     """Peak bytes a per-tensor FP8 linear's forward creates beside the weight's cached FP8 form: the input's FP8 form
     ``qx`` ``[t, inp]``, its transpose ``qx_t`` (saved for backward) and, tensorwise, its scale
     (:func:`per_tensor_cast`), then ``y`` ``[t, out]`` in the input's dtype (``e`` bytes); emulated, the GEMM's fp32
-    copies and product and the reference cast's copy."""
+    copies and product and the reference cast's copy. With a ``bias``: ``y + bias``, a second ``y`` beside the
+    GEMM's (:func:`bias_add`)."""
     cast, q = per_tensor_cast(t, inp, native, delayed)
     y = e * t * out
     if native:
-        return max(cast, q + y)
-    return max(cast, q + _emulated_mm(t, inp, out), q + F32 * t * out + y)
+        return max(cast, q + y + bias_add(y, bias))
+    return max(cast, q + _emulated_mm(t, inp, out), q + F32 * t * out + y, q + y + bias_add(y, bias))
+
+
+def bias_add(y: int, bias: bool) -> int:
+    """Bytes the forward's bias add (``_FP8LinearFn.forward``: ``y = y + bias``, after the GEMM: the FP8 GEMMs take
+    no bias) makes beside the GEMM's output of ``y`` bytes: its sum, as large (0 without a bias)."""
+    return y if bias else 0
 
 
 def _block_scales(m: int, k: int, block: tuple[int, int]) -> int:
@@ -142,20 +151,22 @@ def _block_mm(m: int, k: int, n: int) -> int:
     return F32 * (m * k + k * n + m * n)
 
 
-def blockwise_backward(t: int, out: int, inp: int, e: int, ew: int, native: bool, bias: bool = False) -> int:
+def blockwise_backward(t: int, out: int, inp: int, e: int, ew: int, native: bool, bias: bool = False,
+                       deferred: bool = False) -> int:
     """Peak bytes a block-wise FP8 linear's backward creates: the output gradient quantized in 1x128 tiles (``qg``)
     for ``dx``, then again along tokens (``qgt`` ``[out, t]``) while ``qg`` is still held; ``qg`` is freed when
     ``_grad_output_gemms`` returns (it hands on ``qgt`` only), then the saved wide input is quantized in 128x1 tiles
     (``qxt``) for ``dw``; emulated, each GEMM's fp32 operands and product beside its output. Native: the FP8 operands
     and the quantizations' fp32 copies only (``quantize_blocks`` is torch code on every device). With a ``bias``,
-    its gradient is made once ``qg`` has gone, before ``qxt`` (:func:`bias_grad`)."""
+    its gradient is made once ``qg`` has gone, before ``qxt`` (:func:`bias_grad`). ``deferred``: B of a split
+    backward, which stops there (``qgt`` and ``db`` stashed for W; :func:`blockwise_wgrad` prices W's half)."""
     (pg, g), (pgt, gt), (px, xq) = (_quantize_blocks(t, out, (1, 128)), _quantize_blocks(out, t, (1, 128)),
                                     _quantize_blocks(t, inp, (128, 1)))
     dx, dw = e * t * inp, ew * out * inp
     most, db = bias_grad(out, ew) if bias else (0, 0)
     mm = (lambda m, k, n: 0) if native else _block_mm
-    return max(pg, g + mm(t, out, inp) + dx, g + dx + pgt, dx + gt + most, dx + gt + db + px,
-               dx + gt + db + xq + mm(out, t, inp) + dw)
+    wgrad = [] if deferred else [dx + gt + db + px, dx + gt + db + xq + mm(out, t, inp) + dw]
+    return max(pg, g + mm(t, out, inp) + dx, g + dx + pgt, dx + gt + most, *wgrad)
 
 
 def blockwise_wgrad(t: int, out: int, inp: int, ew: int, native: bool) -> int:
@@ -166,10 +177,12 @@ def blockwise_wgrad(t: int, out: int, inp: int, ew: int, native: bool) -> int:
     return max(px, xq + (0 if native else _block_mm(out, t, inp)) + ew * out * inp)
 
 
-def blockwise_forward(t: int, out: int, inp: int, e: int, native: bool) -> int:
+def blockwise_forward(t: int, out: int, inp: int, e: int, native: bool, bias: bool = False) -> int:
     """Peak bytes a block-wise FP8 linear's forward creates beside the cached weight: the input quantized in 1x128
-    tiles (not saved: the forward saves the input wide), then ``y``; emulated, the GEMM's fp32 operands and product."""
+    tiles (not saved: the forward saves the input wide), then ``y``; emulated, the GEMM's fp32 operands and product
+    (freed on its return); with a ``bias``, ``y + bias`` beside ``y`` (:func:`bias_add`)."""
     p, q = _quantize_blocks(t, inp, (1, 128))
-    return max(p, q + (0 if native else _block_mm(t, inp, out)) + e * t * out)
+    y = e * t * out
+    return max(p, q + (0 if native else _block_mm(t, inp, out)) + y, q + y + bias_add(y, bias))
 
 

@@ -86,11 +86,42 @@ def _fused_dropout():
 
 @contextmanager
 def probing():
-    """A probe's context: one intra-op thread (:func:`one_thread`) and, where the backend's dropout is fused
-    (:func:`fused_dropout_device`), dropout saving its boolean mask as there (measured 2026-12-06 on sim: the
-    host's fp32 masks put a 4-layer h128 GPT-2's planned step peak 15% above the device's)."""
-    with one_thread(), (_fused_dropout() if fused_dropout_device() else nullcontext()):
+    """A probe's context: one intra-op thread (:func:`one_thread`), the backend's kernels where the host has them
+    (:func:`_backend_kernels`) and, where the backend's dropout is fused (:func:`fused_dropout_device`), dropout
+    saving its boolean mask as there (measured 2026-12-06 on sim: the host's fp32 masks put a 4-layer h128 GPT-2's
+    planned step peak 15% above the device's)."""
+    with one_thread(), _backend_kernels(), (_fused_dropout() if fused_dropout_device() else nullcontext()):
         yield
+
+
+@contextmanager
+def _backend_kernels():
+    """While active, the host backend's kernel table (the probes' chunks are built on it) runs each fused op as this
+    process's backend resolves it, where that implementation runs on the host (sim's reference SwiGLU, RMSNorm and
+    rope, which save more for backward than the host's C++ kernels: a Llama-style layer's planned step peak 15-22%
+    under sim's allocator before 2026-12-07); an implementation the host lacks (sim's flash attention) keeps the
+    host's. Nothing changes where this process's backend is the host's."""
+    from omnitron.backends import get_backend
+    from omnitron.core.parallel.groups import host_backend
+    from omnitron.kernels.registry import implementations, ops
+
+    run, host = get_backend(), host_backend()
+    if run.device().type == "cpu":
+        yield
+        return
+    table = host.kernels
+    pins = {}
+    for op in ops():
+        name, impl = run.kernels.resolved(op), implementations(op).get(run.kernels.resolved(op))
+        if name != table.resolved(op) and impl is not None and (impl.backends is None or "cpu" in impl.backends) \
+                and impl.available()[0]:
+            pins[op] = name
+    before = table.pins, table._cache
+    table.pins, table._cache = {**table.pins, **pins}, {}
+    try:
+        yield
+    finally:
+        table.pins, table._cache = before
 
 
 class SavedBytes:

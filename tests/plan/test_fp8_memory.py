@@ -298,21 +298,33 @@ def test_saved_inputs_under_sequence_parallelism_by_hand():
 
 
 # ---- one FP8 linear's own transients, and the probe replayed with them -------------------------------------------
-def _passes(recipe: str, t: int, inp: int, out: int, bias: bool = False) -> tuple[int, int]:
+def _passes(recipe: str, t: int, inp: int, out: int, bias: bool = False, native: bool = False) -> tuple[int, int]:
     """(forward, backward) peak bytes one FP8 linear (weight ``[out, inp]``, bf16, no bias) creates for ``t`` tokens on
     this CPU (emulated GEMMs), measured with ``PeakTracker``, the planner's step tracker; the forward with the weight's
     FP8 form already cached, as every micro-batch after a step's first finds it; delayed as training runs it (one
-    amax reduction a step), after its first step (the reducer primed); ``bias``: with a bf16 bias ``[out]``."""
+    amax reduction a step), after its first step (the reducer primed); ``bias``: with a bf16 bias ``[out]``;
+    ``native``: the per-tensor GEMMs through ``torch._scaled_mm`` (the provider's path set to it; it runs on CPUs too),
+    the casts still the reference's."""
+    from omnitron.backends import get_backend
+
+    provider = get_backend().fp8
+    assert provider.path == "emulated" and provider.block_path == "emulated", provider.describe()
+    provider.path = "scaled_mm" if native else "emulated"
+    try:
+        return _measured(provider, recipe, t, inp, out, bias)
+    finally:
+        provider.path = "emulated"
+
+
+def _measured(provider, recipe: str, t: int, inp: int, out: int, bias: bool) -> tuple[int, int]:
+    """:func:`_passes` on ``provider`` as it is."""
     import torch
 
-    from omnitron.backends import get_backend
     from omnitron.core.precision.fp8.config import FP8Config
     from omnitron.core.precision.fp8.linear import FP8Linear
     from omnitron.core.precision.fp8.scaling import AmaxReducer
     from omnitron.kernels.benchmark import PeakTracker
 
-    provider = get_backend().fp8
-    assert provider.path == "emulated" and provider.block_path == "emulated", provider.describe()
     w = torch.randn(out, inp, dtype=torch.bfloat16, requires_grad=True)
     x = torch.randn(t, inp, dtype=torch.bfloat16, requires_grad=True)
     b = torch.randn(out, dtype=torch.bfloat16, requires_grad=True) if bias else None
@@ -367,6 +379,24 @@ def test_one_linear_backward_with_a_bias(recipe):
         t, inp, out = (128 * random.randint(1, 3) for _ in range(3))
         want = blockwise_backward(t, out, inp, 2, 2, False, True)
     assert _passes(recipe, t, inp, out, True)[1] == want, (t, inp, out)
+
+
+@pytest.mark.skipif("not __import__('omnitron.backends.fp8').backends.fp8.scaled_mm_runs('cpu')",
+                    reason="torch._scaled_mm does not run on this CPU")
+def test_native_forward_with_a_bias_against_the_bytes_it_allocates():
+    """On the native per-tensor GEMM path (``torch._scaled_mm``, which takes no bias here) the forward adds the bias
+    after the GEMM: ``y + bias`` is made beside the GEMM's ``y``, one more ``[t, out]`` at the input's dtype. Measured
+    with the GEMMs through ``torch._scaled_mm`` on this CPU (the cast the reference's: its fp32 copy is its own peak
+    candidate), to the byte, on random shapes in multiples of 16 (no alignment padding) with ``out >= 2 inp``, where
+    the bias add is the peak: priced without it (before 2026-12-07) 28-44% under. Emulated, the GEMM's fp32 product
+    (``4 t out``) beside ``y`` already exceeds the sum at bf16, so only the native path shows it."""
+    from omnitron.plan.fp8_passes import per_tensor_cast, per_tensor_forward
+
+    t, inp = 16 * random.randint(2, 8), 16 * random.randint(2, 6)
+    out = 16 * random.randint(2 * inp // 16, 12)
+    for bias in (False, True):
+        want = max(per_tensor_cast(t, inp, False)[0], per_tensor_forward(t, out, inp, 2, True, bias=bias))
+        assert _passes("tensorwise", t, inp, out, bias, native=True)[0] == want, (t, inp, out, bias)
 
 
 def test_native_path_by_hand():
@@ -442,6 +472,95 @@ def test_replayed_probe_against_a_real_fp8_probe(recipe, extra):
     best, _ = replay_fp8(settings, priced, wide, [float(n) for _, n in wide], chunk_linears(settings, priced, 0)[0],
                          False, 2)
     assert best == peak(_timeline(probe(cfg), settings.fp8))
+
+
+FULL = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"]
+MOE_BIAS = ["--normalization", "RMSNorm", "--swiglu", "--num-experts", "4", "--moe-aux-loss-coeff", "0.01",
+            "--moe-shared-expert-intermediate-size", "32"]
+"""MoE layers with linear biases (``--add-bias-linear``, the default) and a shared expert."""
+
+
+@pytest.mark.parametrize("recipe,extra,last", [("tensorwise", [], False), ("delayed", ["--disable-bias-linear"], True),
+                                               ("blockwise", [], False), ("tensorwise", FULL, False),
+                                               ("blockwise", FULL, True), ("tensorwise", MOE_BIAS, True)])
+def test_replayed_split_probe_against_a_real_fp8_split_probe(recipe, extra, last):
+    """The zero-bubble schedules' split backward (``--pipeline-schedule zb-h1``), a middle or last chunk of 2 layers
+    (stage 0 runs its whole backward in W): the wide split probe replayed with the FP8 linears (:func:`replay_fp8`)
+    peaks where the same probe run in FP8 peaks, to the byte. B runs each FP8 linear's output-gradient cast, dx and
+    bias gradient only (priced with the weight-gradient GEMM and its block-wise input quantization before: 2.8% over
+    at block-wise), keeps its 1-byte saved input for W's GEMM (freed at its backward's end before: tensorwise 4.9%
+    under, 3.0% under with full recomputation, 5.3% under with MoE layers), and its one-element stand-ins come when B
+    has ended. MoE layers probed as the plan probes them (:func:`omnitron.plan.moe_activations.transient_probe`)."""
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.kernels.alloc_log import peak
+    from omnitron.plan.fp8_memory import chunk_linears, replay_fp8
+    from omnitron.plan.fp8_moe import experts_as_run
+    from omnitron.plan.memory import model_config
+    from omnitron.plan.moe_activations import transient_probe
+    from omnitron.plan.transients import Probe, _timeline
+
+    h, f, s, b = (128, 256, 128, 1) if recipe == "blockwise" else (64, random.choice([160, 224]), 32, 2)
+    argv = ["--num-layers", "2", "--hidden-size", str(h), "--num-attention-heads", "4", "--ffn-hidden-size", str(f),
+            "--seq-length", str(s), "--max-position-embeddings", str(s), "--micro-batch-size", str(b), "--mock-data",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--bf16", "--fp8-recipe", recipe,
+            "--fp8-format", "e4m3" if recipe == "blockwise" else "hybrid", "--pipeline-schedule", "zb-h1", *extra]
+    settings = parse_settings(argv, 1)
+    cfg = model_config(settings)
+    priced = experts_as_run(settings, cfg)
+
+    def probe(c):
+        return Probe(transient_probe(c, c, 1, 1, 1) if c.num_experts else c, 2, False, last, s, b, split=True)
+
+    wide = _timeline(probe(priced))
+    best, _ = replay_fp8(settings, priced, wide, [float(n) for _, n in wide], chunk_linears(settings, priced, 0)[0],
+                         False, 2)
+    assert best == peak(_timeline(probe(cfg), settings.fp8))
+
+
+@pytest.mark.parametrize("extra", [["--swiglu"], MOE_BIAS])
+def test_bias_flags_follow_the_executor_calls(extra):
+    """Whether the plan prices a linear's bias in its FP8 passes (the ``bias`` of :func:`chunk_linears`' entries, an
+    MoE layer's experts' included) equals whether the FP8 executor is called with one in a forward of the probe chunk
+    the plan replays: a bias ``skip_bias_add`` hands to a fused op (SwiGLU's fc1 on this CPU's kernel table), a
+    routed expert's fc2 bias (added after the combine) and a row-parallel bias over tp > 1 (after the reduction) do
+    not reach it. Before 2026-12-07 the entries said ``m.bias is not None`` (SwiGLU's fc1: priced with a bias it does
+    not get) and an MoE layer's experts carried no bias field (the shared expert's and the experts' fc1 biases never
+    priced)."""
+    import torch
+
+    from omnitron.core.precision.fp8.enable import enable_fp8
+    from omnitron.core.precision.fp8.linear import FP8Linear
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.plan.fp8_memory import chunk_linears
+    from omnitron.plan.fp8_moe import experts_as_run
+    from omnitron.plan.memory import model_config
+    from omnitron.plan.moe_activations import transient_probe
+    from omnitron.plan.transients import DECODER, Probe, _chunk
+
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "96",
+            "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1", "--mock-data",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--bf16", "--fp8-recipe", "tensorwise",
+            "--fp8-format", "hybrid", *extra]
+    settings = parse_settings(argv, 1)
+    cfg = experts_as_run(settings, model_config(settings))
+    planned = {key: entry[5] for key, entry in chunk_linears(settings, cfg, 0)[0].items()}
+    m = _chunk(Probe(transient_probe(cfg, cfg, 1, 1, 1) if cfg.num_experts else cfg, 2, True, True, 16, 1))
+    names = {id(ex): name for name, ex in enable_fp8(m, settings.fp8, None, num_layers=2, per_step=True).items()}
+    called, real = {}, FP8Linear.__call__
+
+    def call(ex, x, weight, bias=None):
+        d = DECODER.search(names[id(ex)])
+        if d:
+            called[(1 - int(d.group(1)), names[id(ex)][d.end():])] = bias is not None
+        return real(ex, x, weight, bias)
+
+    FP8Linear.__call__ = call
+    try:
+        tokens = torch.randint(0, 64, (1, 16))
+        m(tokens=tokens, position_ids=torch.arange(16)[None], labels=tokens)
+    finally:
+        FP8Linear.__call__ = real
+    assert planned == called and any(called.values())
 
 
 def _tp2_sp_fp8_saved(cases: list[list[str]]) -> list[tuple[int, float]]:
