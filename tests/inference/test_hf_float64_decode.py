@@ -168,3 +168,37 @@ def test_decoding_logits_equal_transformers_in_float64(kind, tmp_path, backend):
         _absorb(model, absorb)
         _decoding_matches(hf, model, prompts, (kind, absorb))
         _chunked_steps_match(hf, model, prompts, (kind, absorb))
+
+
+def _tp2_rank(root: str, prompts: list[list[int]]):
+    """This tp2 rank's greedy tokens and log-probs (prompt's then generated) of the float64 checkpoint at ``root``."""
+    from omnitron.backends import get_backend
+    from omnitron.core.config import ParallelConfig
+    from omnitron.core.inference.loader import load_sharded
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    torch.set_num_threads(1)
+    be = get_backend()
+    groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=2), backend=be)
+    loaded = load_sharded(root, groups, be, dtype=torch.float64)
+    out = generate_batch(loaded.model, prompts, STEPS, return_log_probs=True, **loaded.sharded.generate_kwargs())
+    return out.tokens, out.log_probs
+
+
+@pytest.mark.slow  # 31 s on cpu, 13 s under sim (loaded 2-core machine): two ranks load and decode
+def test_tp2_log_probs_equal_transformers_in_float64(tmp_path, backend, backend_name):
+    """MLA at tp2 (heads split, latents replicated; the vocabulary-parallel logits gathered on the last stage):
+    every rank's greedy tokens agree, and the log-prob of every prompt and generated token equals transformers'
+    forward of the whole sequence (TOL's analysis; seen 4e-15)."""
+    from omnitron.testing.distributed import run_distributed
+
+    hf, _ = _models("deepseek_v3", tmp_path, backend)
+    rng = random.Random()
+    prompts = [[rng.randrange(V) for _ in range(n)] for n in LENGTHS]
+    ranks = run_distributed(_tp2_rank, 2, str(tmp_path / "omni"), prompts, backend=backend_name)
+    for tokens, log_probs in ranks:
+        assert tokens == ranks[0][0]
+        for p, toks, lps in zip(prompts, tokens, log_probs, strict=True):
+            seq = p + toks
+            want = _hf_logits(hf, seq).log_softmax(-1)[:-1].gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
+            assert float((torch.tensor(lps, dtype=torch.float64) - want).abs().max()) < TOL
