@@ -38,8 +38,10 @@ CONFIGS = {
 
 @torch.no_grad()
 def full_logits(model, seq):
-    """Plain recomputation: fp32 logits [len, V] of one unpadded sequence (positions 0..len-1)."""
-    return model(tokens=torch.tensor([seq]))[:, 0].float()
+    """Plain recomputation: logits [len, V] of one unpadded sequence (positions 0..len-1), in fp32 or the model's
+    dtype where wider (as generation's log-probs)."""
+    out = model(tokens=torch.tensor([seq]))[:, 0]
+    return out.to(torch.promote_types(out.dtype, torch.float32))
 
 
 def reference(model, prompt, n, eod=None, limit=40):

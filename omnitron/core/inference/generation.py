@@ -9,7 +9,8 @@ when every row has. ``use_cache=False`` recomputes the whole padded sequence eve
 masks, no cache): the slow reference.
 
 Log-probs (``return_log_probs``, Megatron's ``--return-log-probs``) are the model's own ``log_softmax``
-of the raw logits (before temperature / top-k / top-p) of every token after the first: the prompt's
+of the raw logits (before temperature / top-k / top-p; in float32, or in the logits' dtype where wider: a float64
+model's log-probs and greedy picks are float64's) of every token after the first: the prompt's
 (from the prefill) and the generated ones. Without them the forward computes the output layer at the last
 column only (every row's last real token, the prompts being left-padded), as Megatron does
 (``materialize_only_last_token_logits``): the prefill's ``[L, b, V]`` logits are the largest serving tensor.
@@ -75,6 +76,12 @@ def _left_pad(prompts, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return ids.to(device), (slots >= pad).to(device), (slots - pad).clamp(min=0).to(device)
 
 
+def _wide(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` in float32 or their own dtype where wider (a float32 cast cost a float64 model's log-probs
+    1e-7 against a float64 reference)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
 class Picker:
     """Decisions taken from the logits, on one process: the next tokens and the prompt's log-probs."""
 
@@ -87,7 +94,7 @@ class Picker:
     @staticmethod
     def prompt_picked(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``[b, L-1]`` log-probs of each next prompt slot's token (placeholders read as id 0)."""
-        lp = torch.log_softmax(logits.float(), dim=-1).transpose(0, 1)[:, :-1]  # [b, L-1, V]
+        lp = torch.log_softmax(_wide(logits), dim=-1).transpose(0, 1)[:, :-1]  # [b, L-1, V]
         return torch.gather(lp, 2, ids[:, 1:].clamp(min=0)[..., None])[..., 0]
 
     @staticmethod
@@ -100,7 +107,7 @@ class Picker:
                     rows: int) -> tuple[torch.Tensor, list[float] | None]:
         """The next token of each of the ``rows`` rows ``[b]`` from the last position's logits, and its
         log-prob when asked."""
-        last = logits[-1].float()  # [b, V]
+        last = _wide(logits[-1])  # [b, V]
         nxt = sample_next(last, params, gens)
         step_lp = torch.log_softmax(last, dim=-1).gather(1, nxt[:, None])[:, 0].tolist() if want_lp else None
         return nxt, step_lp

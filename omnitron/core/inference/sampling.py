@@ -101,7 +101,8 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator] | None) -> torch.Tensor:
-    """Next token ids ``[b]`` (int64, on the logits' device) from fp32 ``logits [b, V]``."""
+    """Next token ids ``[b]`` (int64, on the logits' device) from ``logits [b, V]`` (float32 or wider: greedy picks
+    in their dtype, draws in float32)."""
     if params.greedy:
         return torch.argmax(logits, dim=-1)
     # NOTE: CPU generators and arithmetic, so one seed gives the same tokens on every backend
