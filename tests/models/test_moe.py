@@ -59,6 +59,15 @@ def _moe_config(**kw):
     return gpt2_tiny(**base)
 
 
+# float64 layer against the dense float64 reference (u = 1.1e-16): they differ only in the order of sums (the
+# dispatch sorts tokens by expert, the reference runs every expert densely). Each compared value is a sum of at most
+# 24 tokens x 20 channels = 480 products: <= 480 u = 5.3e-14 of the sum of its terms' magnitudes, which these
+# inputs (x ~ N(1, 1), weights ~0.3, every compared value <= 21) keep below ~200: <= 1.1e-11. TOL64 leaves a factor
+# ~10; a float32 router (what the 1e-6 this replaced allowed for) moves probabilities by ~1e-8, a mis-weighted or
+# mis-dispatched token by O(1).
+TOL64 = 1e-10
+
+
 def dense_moe_reference(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Every token through every expert (plain torch), weighted by its router probabilities:
     ``(y [s, b, h], aux loss)``. Independent of the sort / all-to-all dispatch."""
@@ -112,13 +121,14 @@ def test_moe_layer_matches_dense_evaluation(swiglu):
     x.grad = None
     ry, raux = dense_moe_reference(layer, x)
     ((ry * w).sum() + 2.5 * raux).backward()
-    # the router runs in float32 (as on a real run); everything downstream is float64
-    torch.testing.assert_close(y, ry, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(ours_x, x.grad, rtol=1e-5, atol=1e-6)
+    # float64 throughout (a float64 model routes in float64 since the router takes the model's dtype)
+    torch.testing.assert_close(y, ry, rtol=TOL64, atol=TOL64)
+    torch.testing.assert_close(ours_x, x.grad, rtol=TOL64, atol=TOL64)
     for n, p in layer.named_parameters():
         ref = p.grad if p.grad is not None else torch.zeros_like(p)
-        torch.testing.assert_close(ours[n], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
-    assert torch.allclose(layer.aux_loss_total, raux.detach().float().to(layer.aux_loss_total.dtype), rtol=1e-5)
+        torch.testing.assert_close(ours[n], ref, rtol=TOL64, atol=TOL64, msg=lambda m: f"{n}: {m}")
+    assert layer.aux_loss_total.dtype == torch.float64
+    torch.testing.assert_close(layer.aux_loss_total, raux.detach(), rtol=TOL64, atol=0.0)
 
 
 def _filled_layer(c, grouped: bool, seed: int):
@@ -322,11 +332,12 @@ def test_moe_layer_capacity_and_shared_expert_match_reference(policy, pad):
         ry = ry + (gates[:, e] * kept[:, e]).unsqueeze(-1) * _shared_mlp(mlp, tokens)
     aux = load_balancing_loss(torch.softmax(logits, -1), experts, c.num_experts, layer.router.balancing["aux_loss"])
     ((ry.view_as(x) * w).sum() + aux).backward()
-    torch.testing.assert_close(y, ry.view_as(x), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(ours_x, x.grad, rtol=1e-5, atol=1e-6)
+    # float64 throughout: TOL64's analysis (the shared expert's 12 channels add <= 24 x 12 products a value)
+    torch.testing.assert_close(y, ry.view_as(x), rtol=TOL64, atol=TOL64)
+    torch.testing.assert_close(ours_x, x.grad, rtol=TOL64, atol=TOL64)
     for n, p in layer.named_parameters():
         ref = p.grad if p.grad is not None else torch.zeros_like(p)
-        torch.testing.assert_close(ours[n], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(ours[n], ref, rtol=TOL64, atol=TOL64, msg=lambda m: f"{n}: {m}")
 
 
 def test_sigmoid_scores_and_z_loss_match_reference():
