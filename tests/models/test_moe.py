@@ -66,6 +66,10 @@ def _moe_config(**kw):
 # ~10; a float32 router (what the 1e-6 this replaced allowed for) moves probabilities by ~1e-8, a mis-weighted or
 # mis-dispatched token by O(1).
 TOL64 = 1e-10
+# A float64 router against a float64 reference (the router takes the model's dtype): probabilities are a softmax
+# over E = 6 logits, the losses and their gradients sums of <= T x E = 144 terms of one sign each (probabilities,
+# counts): <= 144 u = 1.6e-14 relative each; ROUTER64 leaves a factor ~60 (a float32 router: ~1e-8).
+ROUTER64 = 1e-12
 
 
 def dense_moe_reference(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -490,7 +494,7 @@ def test_router_bias_follows_add_bias_linear():
     probs, experts, _ = router(torch.cat([z, torch.zeros(9, h - E, dtype=torch.float64)], 1))
     ref_probs, ref_experts, _ = _ref_routing(z + bias, c.moe_router_topk, False, 0.0)
     assert torch.equal(experts, ref_experts)
-    torch.testing.assert_close(probs.double(), ref_probs, rtol=1e-5, atol=0)  # float32 routing
+    torch.testing.assert_close(probs, ref_probs, rtol=ROUTER64, atol=0)  # float64 routing (ROUTER64)
 
 
 def _recomputed_layer(seed: int, **kw):
@@ -521,9 +525,7 @@ def test_recomputed_layer_logs_its_losses_once():
     _, experts, ref_aux = _ref_routing(logits, 2, False, 0.1)
     ref = ref_aux + 0.05 * torch.logsumexp(logits, dim=-1).square().mean()
     assert torch.equal(experts, layer.router(tokens)[1])  # the reference's picks are the router's
-    # the router runs in float32: its logits and scores carry ~1e-7 relative error, the losses (sums of positive
-    # terms) too
-    torch.testing.assert_close(layer.aux_loss_total.double(), ref, rtol=1e-5, atol=0.0)
+    torch.testing.assert_close(layer.aux_loss_total, ref, rtol=ROUTER64, atol=0.0)
 
 
 def test_recomputed_router_counts_its_picks_once():
