@@ -266,3 +266,16 @@ def test_moments_below_fp32_refused_for_a_float64_model():
     cfg = OptimizerConfig(optimizer="adam", lr=1e-3, exp_avg_dtype="bf16")
     with pytest.raises(ValueError, match="--exp-avg-dtype below fp32 with float64 parameters"):
         MixedPrecisionOptimizer(model.named_parameters(), cfg, ParallelGroups.single(), backend=get_backend("cpu"))
+
+
+def test_onebit_adam_refuses_a_float64_model():
+    """1-bit Adam's flat momenta and error feedback are fp32: a float64 model is refused in one line, naming adam."""
+    from omnitron.backends import get_backend
+    from omnitron.core.config.training import OptimizerConfig
+    from omnitron.core.optim.onebit import OneBitAdam
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    model = torch.nn.Linear(4, 3).double()
+    cfg = OptimizerConfig(optimizer="onebit_adam", lr=1e-3)
+    with pytest.raises(ValueError, match="onebit_adam keeps its momenta .* float64; train a float64 model with"):
+        OneBitAdam(model.named_parameters(), cfg, ParallelGroups.single(), backend=get_backend("cpu"), freeze_step=2)
