@@ -110,8 +110,16 @@ def test_fp8_recipes_within_1pct_of_bf16_after_200_iterations(byte_corpus):
 def test_fp8_recipes_within_1pct_of_bf16_short(byte_corpus):
     """CI variant: 40 iterations (whole warmup + cosine schedule), same criterion. Measured at eab41a3 (one
     thread): cpu bf16 2.9501, delayed 2.9713 (+0.72%), tensorwise 2.9484 (-0.06%), blockwise 2.9469 (-0.11%); sim
-    bf16 2.9496, delayed 2.9711 (+0.73%), tensorwise 2.9722 (+0.77%), blockwise 2.9390 (-0.36%); ~15 s quiet."""
-    _check_against_bf16(_runs(byte_corpus, 40), tol=0.01)
+    bf16 2.9496, delayed 2.9711 (+0.73%), tensorwise 2.9722 (+0.77%), blockwise 2.9390 (-0.36%); ~15 s quiet.
+
+    The 1% is the issue's acceptance criterion (FP8 final loss within 1% of bf16's), not a bound derived from FP8's
+    rounding: 40 iterations of training amplify the per-GEMM e4m3 / e5m2 rounding (2^-4 / 2^-3 relative per
+    element) by a gain no closed form bounds, so the test holds the requirement itself. Spread over seeds (--seed
+    1234, 1, 2, 3, 4; 2026-12-07 at e0cc1e3, one thread): cpu delayed -0.22% .. +0.72%, tensorwise -0.27% ..
+    +0.06%, blockwise -0.28% .. +0.43%; sim delayed +0.04% .. +0.73%, tensorwise -0.18% .. +0.76%, blockwise -0.36%
+    .. +0.42%. The default seed (1234) is the worst of the five on both backends: 0.24 (sim) and 0.28 (cpu) points
+    of margin."""
+    _check_against_bf16(_runs(byte_corpus, 40), tol=0.01)  # the issue's 1% (the docstring), not derived
 
 
 def test_torchao_impl_trains_through_the_loop(byte_corpus):

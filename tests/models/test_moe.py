@@ -59,6 +59,19 @@ def _moe_config(**kw):
     return gpt2_tiny(**base)
 
 
+# float64 layer against the dense float64 reference (u = 1.1e-16): they differ only in the order of sums (the
+# dispatch sorts tokens by expert, the reference runs every expert densely). Each compared value is a sum of at most
+# 24 tokens x 20 channels = 480 products: <= 480 u = 5.3e-14 of the sum of its terms' magnitudes, which these
+# inputs (x ~ N(1, 1), weights ~0.3, every compared value <= 21) keep below ~200: <= 1.1e-11. TOL64 leaves a factor
+# ~10; a float32 router (what the 1e-6 this replaced allowed for) moves probabilities by ~1e-8, a mis-weighted or
+# mis-dispatched token by O(1).
+TOL64 = 1e-10
+# A float64 router against a float64 reference (the router takes the model's dtype): probabilities are a softmax
+# over E = 6 logits, the losses and their gradients sums of <= T x E = 144 terms of one sign each (probabilities,
+# counts): <= 144 u = 1.6e-14 relative each; ROUTER64 leaves a factor ~60 (a float32 router: ~1e-8).
+ROUTER64 = 1e-12
+
+
 def dense_moe_reference(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Every token through every expert (plain torch), weighted by its router probabilities:
     ``(y [s, b, h], aux loss)``. Independent of the sort / all-to-all dispatch."""
@@ -112,13 +125,14 @@ def test_moe_layer_matches_dense_evaluation(swiglu):
     x.grad = None
     ry, raux = dense_moe_reference(layer, x)
     ((ry * w).sum() + 2.5 * raux).backward()
-    # the router runs in float32 (as on a real run); everything downstream is float64
-    torch.testing.assert_close(y, ry, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(ours_x, x.grad, rtol=1e-5, atol=1e-6)
+    # float64 throughout (a float64 model routes in float64 since the router takes the model's dtype)
+    torch.testing.assert_close(y, ry, rtol=TOL64, atol=TOL64)
+    torch.testing.assert_close(ours_x, x.grad, rtol=TOL64, atol=TOL64)
     for n, p in layer.named_parameters():
         ref = p.grad if p.grad is not None else torch.zeros_like(p)
-        torch.testing.assert_close(ours[n], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
-    assert torch.allclose(layer.aux_loss_total, raux.detach().float().to(layer.aux_loss_total.dtype), rtol=1e-5)
+        torch.testing.assert_close(ours[n], ref, rtol=TOL64, atol=TOL64, msg=lambda m: f"{n}: {m}")
+    assert layer.aux_loss_total.dtype == torch.float64
+    torch.testing.assert_close(layer.aux_loss_total, raux.detach(), rtol=TOL64, atol=0.0)
 
 
 def _filled_layer(c, grouped: bool, seed: int):
@@ -322,11 +336,12 @@ def test_moe_layer_capacity_and_shared_expert_match_reference(policy, pad):
         ry = ry + (gates[:, e] * kept[:, e]).unsqueeze(-1) * _shared_mlp(mlp, tokens)
     aux = load_balancing_loss(torch.softmax(logits, -1), experts, c.num_experts, layer.router.balancing["aux_loss"])
     ((ry.view_as(x) * w).sum() + aux).backward()
-    torch.testing.assert_close(y, ry.view_as(x), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(ours_x, x.grad, rtol=1e-5, atol=1e-6)
+    # float64 throughout: TOL64's analysis (the shared expert's 12 channels add <= 24 x 12 products a value)
+    torch.testing.assert_close(y, ry.view_as(x), rtol=TOL64, atol=TOL64)
+    torch.testing.assert_close(ours_x, x.grad, rtol=TOL64, atol=TOL64)
     for n, p in layer.named_parameters():
         ref = p.grad if p.grad is not None else torch.zeros_like(p)
-        torch.testing.assert_close(ours[n], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(ours[n], ref, rtol=TOL64, atol=TOL64, msg=lambda m: f"{n}: {m}")
 
 
 def test_sigmoid_scores_and_z_loss_match_reference():
@@ -479,7 +494,7 @@ def test_router_bias_follows_add_bias_linear():
     probs, experts, _ = router(torch.cat([z, torch.zeros(9, h - E, dtype=torch.float64)], 1))
     ref_probs, ref_experts, _ = _ref_routing(z + bias, c.moe_router_topk, False, 0.0)
     assert torch.equal(experts, ref_experts)
-    torch.testing.assert_close(probs.double(), ref_probs, rtol=1e-5, atol=0)  # float32 routing
+    torch.testing.assert_close(probs, ref_probs, rtol=ROUTER64, atol=0)  # float64 routing (ROUTER64)
 
 
 def _recomputed_layer(seed: int, **kw):
@@ -510,9 +525,7 @@ def test_recomputed_layer_logs_its_losses_once():
     _, experts, ref_aux = _ref_routing(logits, 2, False, 0.1)
     ref = ref_aux + 0.05 * torch.logsumexp(logits, dim=-1).square().mean()
     assert torch.equal(experts, layer.router(tokens)[1])  # the reference's picks are the router's
-    # the router runs in float32: its logits and scores carry ~1e-7 relative error, the losses (sums of positive
-    # terms) too
-    torch.testing.assert_close(layer.aux_loss_total.double(), ref, rtol=1e-5, atol=0.0)
+    torch.testing.assert_close(layer.aux_loss_total, ref, rtol=ROUTER64, atol=0.0)
 
 
 def test_recomputed_router_counts_its_picks_once():

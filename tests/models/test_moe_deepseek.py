@@ -185,8 +185,11 @@ def test_balance_loss_counts_the_unbiased_unrestricted_top_k(case, balancing):
     assert not torch.equal(experts.sort(1)[0], unrestricted.sort(1)[0])  # the case steers some pick
     zr = z.clone().requires_grad_(True)
     ref = _ref_balance_loss(zr, k, b, 0.07, c.moe_router_score_function, balancing == "seq_aux_loss")
-    # the router computes in float32: scores and their sums carry ~E u32 ~ 1e-6 relative error
-    torch.testing.assert_close(aux.double(), ref.detach(), rtol=1e-5, atol=0)
+    # float64 (the router takes the model's dtype): the loss sums <= 4 b x E = 72 one-signed terms, <= 72 u = 8e-15
+    # relative (u = 1.1e-16); a logit's gradient sums <= 72 terms of either sign and magnitude <= coeff = 0.07, so
+    # <= 72 u x 72 x 0.07 = 4e-14 absolute: 1e-12 relative and 1e-13 absolute leave a factor >= 2 (a float32
+    # router: ~1e-8 relative)
+    torch.testing.assert_close(aux, ref.detach(), rtol=1e-12, atol=0)
     aux.backward()
     ref.backward()
-    torch.testing.assert_close(x.grad[:, :E], zr.grad, rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(x.grad[:, :E], zr.grad, rtol=1e-12, atol=1e-13)

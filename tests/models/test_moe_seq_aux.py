@@ -9,6 +9,11 @@ import torch
 from omnitron.core.transformer.moe.router import aux_loss_scores, sequence_load_balancing_loss, sigmoid_routing
 from omnitron.core.transformer.moe.router import top_k_routing
 
+# The float64 MoE layers below route in float64 (the router takes the model's dtype): the losses are sums of <= T x E
+# = 144 terms of one sign (scores x counts), their router-weight gradients sums of O(T E) one-signed terms per
+# entry: <= 144 u = 1.6e-14 relative (u = 1.1e-16); ROUTER64 leaves a factor ~60. A float32 router: ~1e-8.
+ROUTER64 = 1e-12
+
 
 def _ref_seq_aux(logits: torch.Tensor, experts: torch.Tensor, s: int, b: int, k: int, coeff: float,
                  score_function: str) -> torch.Tensor:
@@ -86,10 +91,9 @@ def test_moe_layer_passes_the_batch_to_the_seq_aux_loss():
     x = torch.randn(8, 3, c.hidden_size, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     layer(x)
     logits = x.reshape(-1, c.hidden_size) @ layer.router.weight.t() + layer.router.bias
-    experts = sigmoid_routing(logits.float(), 2)[1]  # the router picks on float32 logits
+    experts = sigmoid_routing(logits, 2)[1]  # the router picks on the model's (float64) logits
     ref = _ref_seq_aux(logits, experts, 8, 3, 2, 0.1, "sigmoid")
-    # the router runs in float32: logits carry ~1e-7 relative error, the loss (a sum of positive terms) too
-    torch.testing.assert_close(layer.aux_loss_total.double(), ref.detach(), rtol=1e-5, atol=0.0)
+    torch.testing.assert_close(layer.aux_loss_total, ref.detach(), rtol=ROUTER64, atol=0.0)
 
 
 def _ref_aux(logits: torch.Tensor, experts: torch.Tensor, k: int, coeff: float) -> torch.Tensor:
@@ -130,13 +134,11 @@ def test_listed_balancing_types_add_their_losses():
     (0.0 * y).sum().backward()  # only the attached losses' gradient reaches the router
     w = layer.router.weight.detach().clone().requires_grad_(True)
     logits = x.reshape(-1, c.hidden_size) @ w.t()
-    experts = top_k_routing(logits.detach().float(), 2, False)[1]  # the router picks on float32 logits
+    experts = top_k_routing(logits.detach(), 2, False)[1]  # the router picks on the model's (float64) logits
     ref = _ref_aux(logits, experts, 2, 0.1) + _ref_seq_aux(logits, experts, 8, 3, 2, 0.7, "softmax")
     ref.backward()
-    # the router runs in float32: its logits and scores carry ~1e-7 relative error, so do the loss (a sum of
-    # positive terms) and its gradient (sums of O(T E) terms of one sign per entry, each ~1e-7 relative)
-    torch.testing.assert_close(layer.aux_loss_total.double(), ref.detach(), rtol=1e-5, atol=0.0)
-    torch.testing.assert_close(layer.router.weight.grad, w.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(layer.aux_loss_total, ref.detach(), rtol=ROUTER64, atol=0.0)
+    torch.testing.assert_close(layer.router.weight.grad, w.grad, rtol=ROUTER64, atol=0.0)
     alone = _ref_aux(logits, experts, 2, 0.1).item(), _ref_seq_aux(logits, experts, 8, 3, 2, 0.7, "softmax").item()
     assert min(abs(layer.aux_loss_total.item() - v) for v in alone) > 1e-3  # not one of them alone
 

@@ -92,7 +92,7 @@ def full_grads(step: int, rank: int) -> dict:
 class Toy(torch.nn.Module):
     """The parameters of PARAMS, this tp rank's shards, with the engine's sharding attributes."""
 
-    def __init__(self, tp: int, rank: int, init: dict) -> None:
+    def __init__(self, tp: int, rank: int, init: dict, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         from omnitron.core.parallel.tensor.sharding import set_attributes, shard_param
 
@@ -100,9 +100,9 @@ class Toy(torch.nn.Module):
             local = list(shape)
             if dim >= 0:
                 local[dim] //= tp
-            p = set_attributes(torch.nn.Parameter(torch.empty(local)), parallel=dim >= 0 and tp > 1, dim=dim,
-                               stride=stride)
-            p.data.copy_(shard_param(init[name].float(), p, tp, rank))
+            p = set_attributes(torch.nn.Parameter(torch.empty(local, dtype=dtype)), parallel=dim >= 0 and tp > 1,
+                               dim=dim, stride=stride)
+            p.data.copy_(shard_param(init[name].to(dtype), p, tp, rank))
             if role == "qkv":
                 p.qkv_split_rows = QKV_ROWS
             if role == "embedding":
@@ -110,7 +110,7 @@ class Toy(torch.nn.Module):
             self.register_parameter(name, p)
 
 
-def build(groups, backend, *, distributed: bool, init: dict, **cfg):
+def build(groups, backend, *, distributed: bool, init: dict, dtype: torch.dtype = torch.float32, **cfg):
     """(DDP-wrapped toy, optimizer) for ``groups``; small buckets so matrices straddle the ZeRO slices."""
     from omnitron.core.config.training import OptimizerConfig
     from omnitron.core.optim.muon import DistributedMuon, Muon
@@ -118,7 +118,7 @@ def build(groups, backend, *, distributed: bool, init: dict, **cfg):
 
     from omnitron.core.parallel.tensor.sharding import to_device
 
-    model = to_device(Toy(groups.tp.size, groups.tp.rank if groups.tp.size > 1 else 0, init), backend.device())
+    model = to_device(Toy(groups.tp.size, groups.tp.rank if groups.tp.size > 1 else 0, init, dtype), backend.device())
     ddp = DistributedDataParallel(model, groups, DataParallelConfig(use_distributed_optimizer=distributed,
                                                                     bucket_size=100), collectives=backend.collectives)
     config = OptimizerConfig(optimizer="muon", lr=LR, weight_decay=WD, clip_grad=CLIP, muon_fp32_matmul_prec="high",
@@ -137,7 +137,7 @@ def step(ddp, opt, groups, s: int) -> None:
     tp, rank = groups.tp.size, groups.tp.rank if groups.tp.size > 1 else 0
     g = full_grads(s, groups.dp.rank if groups.dp.size > 1 else 0)
     for name, p in ddp.module.named_parameters():
-        p.main_grad.copy_(shard_param(g[name].float(), p, tp, rank))
+        p.main_grad.copy_(shard_param(g[name].to(p.dtype), p, tp, rank))
     ddp.finish_grad_sync()
     assert not opt.step(LR).skipped
 
@@ -226,6 +226,30 @@ def test_one_process_matches_float64_reference(nesterov, split):
     assert "exp_avg_sq" not in opt.state_dict()["tensors"]["fc1"] and "exp_avg_sq" in opt.state_dict()["tensors"]["emb"]
     # the Muon matrices moved by ~lr per element per step, the check is not vacuous
     assert float((history[0]["fc2"] - full_init()["fc2"] * (1 - LR * WD)).abs().mean()) > 0.3 * LR
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_float64_model_steps_in_float64(distributed):
+    """A float64 model's Muon (plain, and distributed at one rank: its bucket gathers) keeps float64 masters and
+    momenta and matches the float64 reference. Bound: the engine and the reference differ in the order of
+    sums only (12-term dot products, the norm's ~500 squares: <= 500 u, u = 1.1e-16), which Newton-Schulz amplifies
+    by at most ~500 (ATOL's slope product): 500 x 500 u ~ 3e-11 relative to |NS| ~ 1 in the worst direction, x
+    sqrt(24) x lr (2e-2) ~ 3e-12 a step, ~1.2e-11 over four steps; atol 1e-10. fp32 masters or an fp32
+    gather of U (what this guards) err by ~1e-7 or more."""
+    from omnitron.backends import get_backend
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    groups, be = ParallelGroups.single(), get_backend("cpu")
+    ddp, opt = build(groups, be, distributed=distributed, init=full_init(), dtype=torch.float64)
+    history = []
+    for s in range(STEPS):
+        step(ddp, opt, groups, s)
+        history.append(full_params(ddp.module, groups))
+    assert all(m.dtype == torch.float64 for m in opt.masters)
+    assert all(t.dtype == torch.float64 for ts in opt.state.values() for t in ts)
+    for s, (got, want) in enumerate(zip(history, reference(full_init(), _mean_grads(1)), strict=True)):
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-10, msg=lambda m: f"step {s} {k}: {m}")
 
 
 def test_layout_and_modes_refused_or_accepted():

@@ -15,15 +15,14 @@ float64 parameters).
 
 Float64 bound (TOL64). Both models run in float64; what is not float64: Megatron's loss function casts the per-token
 losses to float32 (its logged loss: 128 float32 products summed, a tree of depth 7, and the cast: <= 8 u relative,
-u = 2**-24; their gradient, 1 / tokens / micro-batches, is exact but for the masked case's 1 / 24 / 4, <= 2 u), its
-gradient norm (per-tensor float64 norms cast to float32 and normed in float32: <= 2 u), and
-omnitron's optimizer, which steps float32 masters with float32 copies of the gradients (``MixedPrecisionOptimizer``:
-a float64 model's weights are rounded to float32 at every step, <= u relative each, so <= 10 u after 10 steps;
-its gradient norm sums float32 squares: <= 16 u). The rounded weights feed the next gradients at first order,
-which Adam's normalised update passes on with gain ~1 and whose effect on the loss is the rounding's projection on
-the gradient (a weight's rounding moves the loss by at most its size times the relative gradient, gain ~1 over the
-run). So per iteration: loss <= (8 + 10) u, grad norm <= (2 + 16 + 10) u, final weights (norm-wise, each tensor)
-<= 10 u relative times ~2 for the propagated part: TOL64 = 32 u = 1.9e-6 for all three. The learning rates are
+u = 2**-24; their gradient, 1 / tokens / micro-batches, is exact but for the masked case's 1 / 24 / 4, <= 2 u) and
+its gradient norm (per-tensor float64 norms cast to float32 and normed in float32: <= 2 u), hence its clip factor
+(<= 2 u on every clipped update). omnitron is float64 throughout (its optimizer keeps a float64 model's gradients,
+moments and norm in float64: tests/optim/test_float64_training.py). Adam's update is invariant to a scale common to
+all steps but not to one varying per step: the clip factor's error moves each update by <= 2 u relative, a weight by
+<= 2 u x lr / |w| (<= 1) a step, <= 20 u over 10 steps; those weights feed the next gradients and the loss at gain ~1.
+So per iteration: loss <= (8 + 20) u, grad norm <= (2 + 20) u, final weights (norm-wise, each tensor) <= 20 u:
+TOL64 = 32 u = 1.9e-6 for all three. The learning rates are
 the same float64 formula on both sides: 1e-12. A bug of the kinds this guards (weight decay on a bias or norm,
 the warmup's first rate, the clip before or after the dp reduction, the micro-batch or dp averaging, Adam's eps
 inside or outside the root) moves a weight by at least lr x wd x |w| ~ 3e-5 a step, 1e-4 or more relative to the

@@ -53,6 +53,7 @@ from omnitron.core.checkpoint.dist_layout import (global_name, global_shape, row
                                                   tp_writer)
 from omnitron.core.checkpoint.dist_planner import Pieces, PieceLoadPlanner, PieceSavePlanner, VerifiedReader
 from omnitron.core.checkpoint.io import CheckpointError
+from omnitron.core.optim.optimizer import keeps_master
 from omnitron.core.parallel.data.fsdp import local_shard, shard_offset
 from omnitron.core.parallel.tensor.mappings import local_rank
 
@@ -146,7 +147,7 @@ def optimizer_pieces(c, *, save: bool, state: dict | None = None, masters: list 
     ``masters``: the fp32 masters (default: ``saved_masters()``, remainders joined into fp32)."""
     opt, table = c.optimizer, {}
     state = opt.saved_state() if state is None else state
-    if masters is None and any(p.dtype != torch.float32 for p in opt.params):
+    if masters is None and any(keeps_master(p.dtype) for p in opt.params):
         masters = opt.saved_masters()
     sliced = hasattr(opt, "slices")
     owners = [s.param for s in opt.slices] if sliced else range(len(opt.params))
@@ -158,7 +159,7 @@ def optimizer_pieces(c, *, save: bool, state: dict | None = None, masters: list 
             continue
         name, split = global_name(name, p), _split(c, p)
         kinds = dict(state)
-        if p.dtype != torch.float32:
+        if keeps_master(p.dtype):  # fp32 and float64 weights are their own masters
             kinds["master"] = masters
         for kind, values in kinds.items():
             if not opt.keeps(kind, i):  # Muon's matrices keep no exp_avg_sq
@@ -368,8 +369,8 @@ def fp32_sources(pieces: Pieces, saved: dict) -> Pieces:
     for key, (shape, views) in pieces.items():
         kind, _, name = key.partition("/")
         master = "optim/master/" + name
-        if kind == "model" and master in saved and all(v.dtype == torch.float32 for _, v in views):
-            key = master  # this run's fp32 weight: the checkpoint's master, not its rounded weight
+        if kind == "model" and master in saved and all(not keeps_master(v.dtype) for _, v in views):
+            key = master  # this run's fp32 / float64 weight: the checkpoint's master, not its rounded weight
         elif key.startswith("optim/master/") and key not in saved:
             key = "model/" + key.removeprefix("optim/master/")  # the checkpoint's weights were its masters
         out.setdefault(key, (shape, []))[1].extend(views)

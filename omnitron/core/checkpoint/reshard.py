@@ -34,6 +34,7 @@ import torch
 
 from omnitron.core.checkpoint.io import CheckpointError, read_metadata, read_shard, saved_expert_tp, write_checkpoint
 from omnitron.core.config.parallel import ParallelConfig
+from omnitron.core.optim.optimizer import keeps_master
 from omnitron.core.parallel.grid import coord_of, rank_grid
 from omnitron.core.parallel.groups import Group, ParallelGroups, host_backend
 
@@ -398,7 +399,7 @@ def rank_shard(full: FullState, chunks, tp_size: int, tp_rank: int) -> dict:
         # frozen parameters (requires_grad False) have no optimizer state: not strict here
         per_kind = {k: full_state_shards(chunk, d, tp_size, tp_rank, keep_dtype=True, strict=False)
                     for k, d in kinds.items()}
-        low = [n for n, p in chunk.named_parameters() if p.dtype != torch.float32]
+        low = [n for n, p in chunk.named_parameters() if keeps_master(p.dtype)]
         if low:
             per_kind["master"] = full_state_shards(chunk, masters, tp_size, tp_rank, keep_dtype=True)
         for name, p in chunk.named_parameters():

@@ -33,7 +33,7 @@ def counts_expert(param: torch.nn.Parameter, etp_rank: int) -> bool:
 
 def global_grad_norm(params: list[torch.nn.Parameter], grads: list[torch.Tensor], groups, collectives,
                      kernels, duplicates: set[int] = frozenset(), reduce_over: tuple | None = None,
-                     device: torch.device | None = None) -> float:
+                     device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> float:
     """The L2 norm of all gradients of the model replica (equal to the single-process norm).
 
     ``grads[i]`` is (a part of) ``params[i]``'s gradient. ``reduce_over``: the groups whose sum of
@@ -44,6 +44,8 @@ def global_grad_norm(params: list[torch.nn.Parameter], grads: list[torch.Tensor]
     one per etp rank: counted on etp rank 0).
     ``device``: where a rank without gradients builds its zero (pass the backend's current device).
     Any per-parameter tensors work (the loop's ``--log-params-norm`` passes the parameters themselves).
+    ``dtype``: float64 sums the squares in float64 (a float64 model's norm: the fp32 kernel would round each
+    square to fp32, a 2^-24 relative error in the norm and the clip factor); every rank must pass the same.
     """
     def sum_sq(ts: list[torch.Tensor], dev) -> torch.Tensor:
         return (kernels.grad_norm_sq(ts) if ts else torch.zeros((), dtype=torch.float32, device=dev)).reshape(1).float()
@@ -52,7 +54,8 @@ def global_grad_norm(params: list[torch.nn.Parameter], grads: list[torch.Tensor]
         return torch.stack([t.double().square().sum() for t in ts]).sum().reshape(1) if ts else \
             torch.zeros(1, dtype=torch.float64, device=dev)
 
-    total = global_sum(params, grads, groups, collectives, sum_sq, duplicates, reduce_over, device)
+    total = global_sum(params, grads, groups, collectives, sum_sq64 if dtype == torch.float64 else sum_sq,
+                       duplicates, reduce_over, device)
     if math.isinf(total):
         # NOTE: fp32 squares overflow from |g| ~ 1.8e19 although every gradient is finite: count again in
         # float64 (exact for any fp32 gradient). Every rank of the reduction holds the same total, so all

@@ -34,7 +34,8 @@ import torch
 
 from omnitron.core.config.training import OptimizerConfig
 from omnitron.core.optim.moments import state_dtype
-from omnitron.core.optim.optimizer import MixedPrecisionOptimizer, ShardedOverDataParallel, _decays, _decoupled
+from omnitron.core.optim.optimizer import (MixedPrecisionOptimizer, ShardedOverDataParallel, _decays, _decoupled,
+                                           keeps_master, master_dtype)
 from omnitron.core.parallel.data.ddp import DistributedDataParallel
 
 
@@ -102,14 +103,15 @@ class DistributedOptimizer(ShardedOverDataParallel, MixedPrecisionOptimizer):
 
     # ---- the step's pieces (MixedPrecisionOptimizer.step calls them) -----------------------
     def _fp32_grads(self) -> list[torch.Tensor]:
-        """The owned slices' gradients as fp32 -- or, for the precision-aware step (moments below fp32 or master
-        remainders), as the buffers hold them: TE's kernel reads bf16 main grads (--main-grads-dtype bf16) as they
-        are, and Megatron unscales and clips them in place, so an fp32 copy of every slice (4 bytes an owned element,
-        kept between steps) would only cost memory. A rank owning no element (a tiny model over many ranks) gets
-        one empty gradient on the backend's device, so its step's list ops and collectives still run."""
+        """The owned slices' gradients in their masters' dtype (fp32; float64 for a float64 model) -- or, for the
+        precision-aware step (moments below fp32 or master remainders), as the buffers hold them: TE's kernel reads
+        bf16 main grads (--main-grads-dtype bf16) as they are, and Megatron unscales and clips them in place, so an
+        fp32 copy of every slice (4 bytes an owned element, kept between steps) would only cost memory. A rank owning
+        no element (a tiny model over many ranks) gets one empty gradient on the backend's device, so its step's list
+        ops and collectives still run."""
         keep = self._steps_low()
-        grads = [s.grad if s.grad.dtype == torch.float32 or keep else self._scratch(i, s.grad).copy_(s.grad)
-                 for i, s in enumerate(self.slices)]
+        grads = [s.grad if s.grad.dtype == master_dtype(m.dtype) or keep else self._scratch(i, m).copy_(s.grad)
+                 for i, (s, m) in enumerate(zip(self.slices, self.masters))]
         return grads or [torch.zeros(0, device=self.backend.current_device())]
 
     def _owners(self) -> list[torch.nn.Parameter]:
@@ -124,7 +126,7 @@ class DistributedOptimizer(ShardedOverDataParallel, MixedPrecisionOptimizer):
         self.finish_param_gather()  # a gather still pending from the previous step (no forward in between)
         for s, m in zip(self.slices, self.masters):
             flat = self.params[s.param].detach().view(-1)[s.lo:s.hi]
-            if flat.data_ptr() != m.data_ptr():  # fp32 parameters (and remainders') are their own masters
+            if flat.data_ptr() != m.data_ptr():  # fp32 / float64 parameters (and remainders') are their own masters
                 flat.copy_(m)
         self._gather_params()
 
@@ -191,26 +193,34 @@ class DistributedOptimizer(ShardedOverDataParallel, MixedPrecisionOptimizer):
     def state_dict(self) -> dict:
         """Exactly :meth:`MixedPrecisionOptimizer.state_dict`'s format (collective over ``dp_cp`` and ``edp``)."""
         full: dict[str, dict[int, torch.Tensor]] = {}
-        keys = list(self.state) + (["master"] if any(p.dtype != torch.float32 for p in self.params) else [])
+        keys = list(self.state) + (["master"] if any(keeps_master(p.dtype) for p in self.params) else [])
         state = self.saved_state()
         for key in keys:
             values = self.saved_masters() if key == "master" else state[key]
             out: dict[int, torch.Tensor] = {}
-            # bf16 moments as bf16, fp16 ones unscaled in fp32 (saved_state), the rest fp32
-            dtype = torch.float32 if key == "master" or key in self.scales else state_dtype(self.config, key)
+            dtype = self._saved_dtype(key)
             self._gather(values, dtype, lambda i, flat, out=out: out.__setitem__(
                 i, flat.clone().view(self.params[i].shape)))
             full[key] = out
         tensors = {}
         for i, name in enumerate(self.names):
             entry = {k: full[k][i] for k in self.state if self.keeps(k, i)}
-            if self.params[i].dtype != torch.float32:
+            if keeps_master(self.params[i].dtype):
                 entry["master"] = full["master"][i]
             tensors[name] = entry
         out = {"step": self.step_count, "optimizer": self.config.optimizer, "tensors": tensors}
         if self.loss_scaler is not None:
             out["loss_scaler"] = self.loss_scaler.state_dict()
         return out
+
+    def _saved_dtype(self, key: str) -> torch.dtype:
+        """The dtype state ``key`` (or ``master``) is gathered and saved in: fp32 for a master and an fp16 moment
+        (unscaled), a bf16 moment's own; a moment stored at fp32 in the masters' dtype (float64 for a float64
+        model). From the config and the parameters: the same on every replica, also one owning no element."""
+        dt = torch.float32 if key == "master" else state_dtype(self.config, key)
+        if key == "master" or dt == torch.float16:
+            return torch.float32
+        return torch.float64 if dt == torch.float32 and self._norm_dtype() == torch.float64 else dt
 
     def load_state_dict(self, state: dict) -> None:
         """Take this rank's slices of a per-parameter state (saved by either optimizer, any dp size)."""
@@ -220,8 +230,8 @@ class DistributedOptimizer(ShardedOverDataParallel, MixedPrecisionOptimizer):
                 entry = state["tensors"][self.names[s.param]]
                 for key in self.state:
                     if self.keeps(key, s.param):
-                        self.put(key, j, entry[key].reshape(-1)[s.lo:s.hi].to(torch.float32, copy=True))
-                if "master" in entry and self.params[s.param].dtype != torch.float32:
+                        self.put(key, j, entry[key].reshape(-1)[s.lo:s.hi].to(self.compute_dtype(key, j), copy=True))
+                if "master" in entry and keeps_master(self.params[s.param].dtype):
                     self.set_master(j, entry["master"].reshape(-1)[s.lo:s.hi])
         self._after_master_load()
         self.load_counters(state)

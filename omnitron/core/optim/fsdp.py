@@ -1,7 +1,8 @@
 """The optimizer of ``--use-torch-fsdp2`` runs: it steps FSDP2's sharded parameters directly.
 
-FSDP2 (:mod:`omnitron.core.parallel.data.fsdp`) keeps every parameter as an fp32 DTensor sharded over
-``groups.dp_cp``, its gradient as a DTensor of the same sharding (reduce-scattered, the mean over dp x cp).
+FSDP2 (:mod:`omnitron.core.parallel.data.fsdp`) keeps every parameter as an fp32 (a float64 model's: float64)
+DTensor sharded over ``groups.dp_cp``, its gradient as a DTensor of the same sharding (reduce-scattered, the mean
+over dp x cp).
 The local shard of each parameter is its own fp32 master -- no second copy -- and the optimizer states are
 shaped like it, so each rank holds 1/(dp x cp) of the weights, gradients and states. The step is
 :class:`~omnitron.core.optim.optimizer.MixedPrecisionOptimizer`'s (unscale, skip on inf, clip by the global
@@ -17,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from omnitron.core.optim.optimizer import MixedPrecisionOptimizer, ShardedOverDataParallel, _decays, _decoupled
+from omnitron.core.optim.optimizer import (MixedPrecisionOptimizer, ShardedOverDataParallel, _decays, _decoupled,
+                                           keeps_master)
 from omnitron.core.parallel.data.fsdp import local_shard
 
 
@@ -27,9 +29,10 @@ class FSDP2Optimizer(ShardedOverDataParallel, MixedPrecisionOptimizer):
     def _build_masters(self) -> None:
         self.decay = [_decays(n, p, self.config.apply_wd_to_qk_layernorm) for n, p in zip(self.names, self.params)]
         self.decoupled = [_decoupled(p) for p in self.params]
-        low = [(n, p.dtype) for n, p in zip(self.names, self.params) if p.dtype != torch.float32]
+        low = [(n, p.dtype) for n, p in zip(self.names, self.params) if keeps_master(p.dtype)]
         if low:
-            raise ValueError(f"FSDP2's sharded parameters are the fp32 masters, but {low[0][0]} is {low[0][1]}; "
+            raise ValueError(f"FSDP2's sharded parameters are the fp32 (float64) masters, but {low[0][0]} is "
+                             f"{low[0][1]}; "
                              f"shard the chunks with omnitron.core.parallel.data.fsdp.apply_fsdp2 first")
         self.masters = [local_shard(p.detach()) for p in self.params]  # views of the sharded parameters
 

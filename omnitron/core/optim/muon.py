@@ -154,7 +154,8 @@ class DistributedMuon(MuonMixin, DistributedOptimizer):
                 whole[i] = flat.clone().view(self.params[i].shape)
 
         # every rank gathers every bucket (the same collectives everywhere), then keeps the matrices it owns part of
-        self._gather([u.get(j, empty) for j in range(len(self.slices))], torch.float32, keep)
+        wide = torch.float64 if self._norm_dtype() == torch.float64 else torch.float32  # a float64 model's U
+        self._gather([u.get(j, empty.to(wide)) for j in range(len(self.slices))], wide, keep)
         # NOTE: tp peers hold the same bucket layout, hence the same ``wanted``: their tp gathers match
         done = {i: self._orthogonalized_local(whole[i], self.params[i]).reshape(-1) for i in sorted(wanted)}
         return {j: done[self.slices[j].param][self.slices[j].lo:self.slices[j].hi] for j in u}

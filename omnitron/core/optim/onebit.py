@@ -90,6 +90,11 @@ class OneBitAdam(MixedPrecisionOptimizer):
                              f"{config.adam_beta1} and {config.adam_beta2}")
         if freeze_step < 1:
             raise ValueError(f"--onebit-freeze-step must be >= 1 (the variance needs warm-up steps), got {freeze_step}")
+        named_params = list(named_params)
+        wide = next((n for n, p in named_params if p.dtype == torch.float64), None)
+        if wide is not None:
+            raise ValueError(f"--optimizer onebit_adam keeps its momenta and compression errors in fp32, but {wide} is "
+                             f"float64; train a float64 model with --optimizer adam")
         super().__init__(named_params, config, groups, backend=backend, loss_scaler=None, duplicates=duplicates)
         self.freeze_step = freeze_step
         self.dp = groups.dp_cp

@@ -3,6 +3,9 @@
 One step: gather each parameter's gradient (``param.main_grad`` from the data-parallel wrapper,
 else ``.grad``) as fp32, unscale it (fp16), skip the step if any rank saw inf/nan, clip by the
 global norm, update the fp32 masters, copy them back into the bf16/fp16 model parameters.
+A float64 model is its own master: its gradients, masters, optimizer states (moments stored at
+fp32 become float64), gradient norm and clip factor stay float64 (:func:`master_dtype`), so a
+float64 run is float64 end to end (DESIGN's ~1e-12 parity with one process).
 Weight decay never touches biases and norm weights (every 1-D parameter). With ``--decoupled-lr``
 the input embedding and output layer (``param.is_embedding_or_output_parameter``, set by the
 models as in Megatron-Core) step with the decoupled rate the schedule gives for them.
@@ -23,6 +26,17 @@ from omnitron.core.optim.moments import (absmax, join_master, master_finite, new
 MOMENT_CHUNK = 1 << 24
 """Elements per step of moments below fp32 and of masters kept as remainders, through fp32 copies (64 MiB each)."""
 MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def master_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a ``dtype`` parameter's master, gradient copy and full-precision optimizer state: float64 for
+    float64 (a float64 run stays float64), else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def keeps_master(dtype: torch.dtype) -> bool:
+    """Whether a ``dtype`` parameter has a separate master (bf16 / fp16); fp32 and float64 ones are their own."""
+    return master_dtype(dtype) != dtype
 
 
 @dataclass
@@ -53,7 +67,7 @@ def _decoupled(param: torch.nn.Parameter) -> bool:
 
 
 class MixedPrecisionOptimizer:
-    """Owns fp32 masters for low-precision params; fp32 params are their own masters.
+    """Owns fp32 masters for low-precision params; fp32 and float64 params are their own masters.
 
     ``named_params``: (name, param) pairs of every local model chunk, in a fixed order (names
     key the state dict, so a checkpoint loads into the same layout). ``duplicates``: params
@@ -88,7 +102,8 @@ class MixedPrecisionOptimizer:
         self._scratch_bufs: dict[int, torch.Tensor] = {}
 
     def _build_masters(self) -> None:
-        """``masters`` (fp32; fp32 parameters are their own) and their ``decay`` flags, one per parameter."""
+        """``masters`` (fp32; fp32 and float64 parameters are their own) and their ``decay`` flags, one per
+        parameter."""
         self.decay = [_decays(n, p, self.config.apply_wd_to_qk_layernorm) for n, p in zip(self.names, self.params)]
         self.decoupled = [_decoupled(p) for p in self.params]
         self.masters = []
@@ -96,9 +111,9 @@ class MixedPrecisionOptimizer:
             self._add_master(p.detach())
 
     def _add_master(self, param: torch.Tensor) -> None:
-        """Append the master of ``param`` (a parameter or its owned flat slice): the tensor itself when fp32; with
-        ``store_param_remainders`` a bf16 one itself too, beside zero remainders (the master is the parameter's
-        value, as TE starts it); else an fp32 copy."""
+        """Append the master of ``param`` (a parameter or its owned flat slice): the tensor itself when fp32 or
+        float64; with ``store_param_remainders`` a bf16 one itself too, beside zero remainders (the master is the
+        parameter's value, as TE starts it); else an fp32 copy."""
         if self.config.store_param_remainders and param.dtype == torch.bfloat16:
             if not param.is_contiguous():
                 raise ValueError(f"a parameter of shape {tuple(param.shape)} is not contiguous; master remainders "
@@ -106,31 +121,39 @@ class MixedPrecisionOptimizer:
             self.masters.append(param)
             self.remainders.append(torch.zeros(param.numel(), dtype=torch.int16, device=param.device))  # flat
         else:
-            self.masters.append(param.float())  # fp32: the parameter; else a copy
+            self.masters.append(param.to(master_dtype(param.dtype)))  # fp32 / float64: the parameter; else a copy
             self.remainders.append(None)
 
     def _zero_state(self) -> dict[str, list[torch.Tensor]]:
-        """Fresh optimizer states shaped like the masters: Adam's two moments, or SGD's momentum."""
+        """Fresh optimizer states shaped like the masters: Adam's two moments, or SGD's momentum; a moment stored at
+        fp32 takes its master's dtype (float64 for a float64 model)."""
         state: dict[str, list[torch.Tensor]] = {}
         if self.config.optimizer in ("adam", "adamw", "onebit_adam", "muon"):  # Muon: exp_avg is its momentum
             for key in ("exp_avg", "exp_avg_sq"):
-                state[key] = [torch.zeros_like(m, dtype=state_dtype(self.config, key)) for m in self.masters]
+                dt = state_dtype(self.config, key)
+                if dt != torch.float32 and any(m.dtype == torch.float64 for m in self.masters):
+                    raise ValueError(f"--{key.replace('_', '-')}-dtype below fp32 with float64 parameters: the "
+                                     f"moments of a float64 model are float64; drop --{key.replace('_', '-')}-dtype")
+                state[key] = [torch.zeros_like(m, dtype=master_dtype(m.dtype) if dt == torch.float32 else dt)
+                              for m in self.masters]
         elif self.config.optimizer == "sgd" and self.config.sgd_momentum:
             state["momentum"] = [torch.zeros_like(m) for m in self.masters]
         return state
 
     # ---- gradients ----------------------------------------------------------------------
     def _scratch(self, i: int, like: torch.Tensor) -> torch.Tensor:
-        """An fp32 buffer shaped like ``like`` for gradient ``i``: made on first use and reused every step (the
-        step scales its gradients in place, so a caller refills it each time)."""
+        """A buffer shaped like ``like`` (a master: fp32 or float64) for gradient ``i``: made on first use and reused
+        every step (the step scales its gradients in place, so a caller refills it each time)."""
         buf = self._scratch_bufs.get(i)
-        if buf is None or buf.shape != like.shape or buf.device != like.device:
-            buf = self._scratch_bufs[i] = torch.empty(like.shape, dtype=torch.float32, device=like.device)
+        dt = master_dtype(like.dtype)
+        if buf is None or buf.shape != like.shape or buf.device != like.device or buf.dtype != dt:
+            buf = self._scratch_bufs[i] = torch.empty(like.shape, dtype=dt, device=like.device)
         return buf
 
     def _fp32_grads(self) -> list[torch.Tensor]:
-        """Each parameter's gradient as fp32: ``main_grad`` or ``.grad`` itself when fp32, else a reused buffer
-        (zeros for a parameter without a gradient, the converted gradient for a low-precision one)."""
+        """Each parameter's gradient in its master's dtype (fp32; float64 for a float64 model): ``main_grad`` or
+        ``.grad`` itself when of that dtype, else a reused buffer (zeros for a parameter without a gradient, the
+        converted gradient for a low-precision one)."""
         out = []
         for i, (p, m) in enumerate(zip(self.params, self.masters)):
             g = getattr(p, "main_grad", None)
@@ -139,7 +162,7 @@ class MixedPrecisionOptimizer:
             if g is None:
                 out.append(self._scratch(i, m).zero_())
             else:
-                out.append(self._scratch(i, m).copy_(g) if g.dtype != torch.float32 else g.detach())
+                out.append(self._scratch(i, m).copy_(g) if g.dtype != master_dtype(m.dtype) else g.detach())
         return out
 
     def _found_inf(self, grads: list[torch.Tensor]) -> bool:
@@ -161,7 +184,12 @@ class MixedPrecisionOptimizer:
     def _grad_norm(self, grads: list[torch.Tensor]) -> float:
         """Global L2 norm of ``grads`` (aligned with ``self.params``), equal to the single-process norm."""
         return global_grad_norm(self.params, grads, self.groups, self.backend.collectives, self.backend.kernels,
-                                self.duplicates)
+                                self.duplicates, dtype=self._norm_dtype())
+
+    def _norm_dtype(self) -> torch.dtype:
+        """float64 when the model is float64 (every rank of the model decides alike), else fp32: the dtype the
+        gradient norm's squares are summed and reduced in."""
+        return torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
 
     def _clip_coefficient(self, norm: float) -> float:
         """The factor this step's gradients are multiplied by (``--clip-grad`` against the global norm)."""
@@ -285,7 +313,7 @@ class MixedPrecisionOptimizer:
     def _copy_to_model(self) -> None:
         """Write the updated fp32 masters into the (bf16/fp16) model parameters."""
         for p, m in zip(self.params, self.masters):
-            if p.dtype != torch.float32 and m.data_ptr() != p.data_ptr():  # remainders: the step wrote p itself
+            if keeps_master(p.dtype) and m.data_ptr() != p.data_ptr():  # remainders: the step wrote p itself
                 p.data.copy_(m)
 
     def _adamw(self, grads: list[torch.Tensor], rates: list[float], only: list[int] | None = None) -> None:
@@ -352,6 +380,12 @@ class MixedPrecisionOptimizer:
             if s is not None:
                 s.copy_(f)
 
+    def compute_dtype(self, key: str, i: int) -> torch.dtype:
+        """The dtype state ``key`` of master ``i`` is read and stepped in: fp32 for one stored below fp32, else its
+        own (fp32, or float64 for a float64 model: a float64 checkpoint's state loads unrounded)."""
+        dt = self.state[key][i].dtype
+        return torch.float32 if dt in (torch.bfloat16, torch.float16) else dt
+
     def moment(self, key: str, i: int) -> torch.Tensor:
         """State ``key`` of master ``i`` as fp32 (unscaled; the tensor itself when stored in fp32)."""
         return unscaled(self.state[key][i], self.scales[key][i] if key in self.scales else None)
@@ -390,12 +424,13 @@ class MixedPrecisionOptimizer:
 
     # ---- state --------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Tensors keyed by parameter name; fp32 masters only for low-precision params."""
+        """Tensors keyed by parameter name; fp32 masters only for low-precision params (a float64 model's states
+        are saved float64)."""
         out = {"step": self.step_count, "optimizer": self.config.optimizer, "tensors": {}}
         state, masters = self.saved_state(), self.saved_masters()
         for i, name in enumerate(self.names):
             entry = {k: v[i] for k, v in state.items() if self.keeps(k, i)}
-            if self.params[i].dtype != torch.float32:
+            if keeps_master(self.params[i].dtype):
                 entry["master"] = masters[i]
             out["tensors"][name] = entry
         if self.loss_scaler is not None:
@@ -435,7 +470,7 @@ class MixedPrecisionOptimizer:
                 entry = state["tensors"][name]
                 for key in self.state:
                     if self.keeps(key, i):
-                        self.put(key, i, entry[key].to(torch.float32, copy=True))
+                        self.put(key, i, entry[key].to(self.compute_dtype(key, i), copy=True))
                 if "master" in entry:
                     self.set_master(i, entry["master"])
         self.load_counters(state)
@@ -471,7 +506,7 @@ class ShardedOverDataParallel:
         # NOTE: dense parts are disjoint over dp_cp and expert slices over edp; dp_cp x mp is the world
         return global_grad_norm(self._owners(), grads, self.groups, self.backend.collectives, self.backend.kernels,
                                 self.duplicates, reduce_over=(self.groups.dp_cp, self.groups.mp),
-                                device=self.backend.current_device())
+                                device=self.backend.current_device(), dtype=self._norm_dtype())
 
     def _count_zeros(self, grads: list[torch.Tensor]) -> int:
         return global_count_zeros(self._owners(), grads, self.groups, self.backend.collectives, self.duplicates,
@@ -482,9 +517,12 @@ def _scale_(grads: list[torch.Tensor], coef: float) -> None:
     """Multiply ``grads`` by ``coef`` in place (the loss scaler's unscaling, the clip), each element computed in fp32
     and rounded once to its dtype, as Megatron's multi_tensor_scale with an fp32 factor scales bf16 main grads. The
     factor goes as an fp32 tensor: CPU's ``_foreach_mul_`` rounds a Python number to a bf16 list's dtype first, a
-    second rounding (up to 2^-8) of every scaled gradient."""
+    second rounding (up to 2^-8) of every scaled gradient. Float64 gradients (a float64 model) get the factor in
+    float64: an fp32 one would scale every one of them by a factor off by up to 2^-24."""
     if grads:
-        torch._foreach_mul_(grads, torch.full((), coef, dtype=torch.float32, device=grads[0].device))
+        wide = any(g.dtype == torch.float64 for g in grads)
+        factor = torch.full((), coef, dtype=torch.float64 if wide else torch.float32, device=grads[0].device)
+        torch._foreach_mul_(grads, factor)
 
 
 def _chunk_step(pieces: list[torch.Tensor], rem: torch.Tensor | None, step, old: list, fresh: list | None):

@@ -137,13 +137,14 @@ def _complete_optimizer_state(path: str, shard: dict) -> None:
 
 
 def _masters_from_weights(shard: dict) -> None:
-    """A torch-format shard saved with fp32 weights keeps no masters (the weights were the masters): give each
-    entry without one the shard's fp32 weight, so that a run whose weights are bf16 / fp16 resumes its fp32
-    masters from them (not from its own initialisation, which the first step would copy back into the model)."""
+    """A torch-format shard saved with fp32 (or float64) weights keeps no masters (the weights were the masters):
+    give each entry without one the shard's weight, so that a run whose weights are bf16 / fp16 resumes its fp32
+    masters from them, a float64 weight rounded to nearest (not from its own initialisation, which the first step
+    would copy back into the model)."""
     for name, entry in shard["optimizer"]["tensors"].items():
         chunk, _, param = name.partition(".")  # the optimizer names chunk<c>.<name>
         weight = shard["model"][int(chunk.removeprefix("chunk"))].get(param)
-        if "master" not in entry and weight is not None and weight.dtype == torch.float32:
+        if "master" not in entry and weight is not None and weight.dtype in (torch.float32, torch.float64):
             entry["master"] = weight
 
 

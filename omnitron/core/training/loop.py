@@ -164,7 +164,7 @@ def params_norm(c) -> float:
     sharded = (c.groups.dp_cp, c.groups.mp) if uses_fsdp2(c.settings) else None
     rest = global_grad_norm(params, [local_shard(p.detach()) for p in params], c.groups, c.backend.collectives,
                             c.backend.kernels, c.optimizer.duplicates, reduce_over=sharded,
-                            device=c.backend.current_device())
+                            device=c.backend.current_device(), dtype=c.optimizer._norm_dtype())
     return rest if main is None else math.sqrt(main ** 2 + rest ** 2)
 
 

@@ -1,8 +1,8 @@
 """DistributedDataParallel: bucketed, optionally overlapped gradient reduction over ``groups.dp_cp``.
 
 ``param.main_grad`` is a view into a contiguous buffer (float32 with
-``accumulate_allreduce_grads_in_fp32``, else the parameter's dtype). A post-accumulate hook moves
-each ``.grad`` into ``main_grad`` (and frees ``.grad``); on the last micro-batch, with
+``accumulate_allreduce_grads_in_fp32``, float64 for a float64 parameter, else the parameter's dtype). A
+post-accumulate hook moves each ``.grad`` into ``main_grad`` (and frees ``.grad``); on the last micro-batch, with
 ``overlap_grad_reduce``, it marks the parameter ready and starts the bucket's asynchronous
 reduction as soon as every parameter of the bucket is ready. ``finish_grad_sync`` starts what is
 left and waits. Gradients are pre-divided by dp x cp, then summed: the result is the mean over
@@ -46,7 +46,9 @@ class DistributedDataParallel(ChunkWrapper):
         params = [p for p in module.parameters() if p.requires_grad][::-1]  # backward order
         by_dtype: dict[tuple, list] = {}
         for p in params:
-            dt = torch.float32 if self.config.accumulate_allreduce_grads_in_fp32 else p.dtype
+            # NOTE: "in fp32" widens bf16 / fp16 only: a float64 model's gradients stay float64
+            dt = torch.promote_types(p.dtype, torch.float32) if self.config.accumulate_allreduce_grads_in_fp32 \
+                else p.dtype
             # NOTE: the distributed optimizer's flat parameter buffers need one parameter dtype per buffer
             pdt = p.dtype if self.config.use_distributed_optimizer else None
             by_dtype.setdefault((dt, _is_expert(p), pdt), []).append(p)

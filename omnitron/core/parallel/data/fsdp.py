@@ -3,7 +3,8 @@ ranks (ZeRO-3) by PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``), as M
 
 :func:`apply_fsdp2` shards one model chunk in place, in this order:
 
-1. every parameter is made fp32 (the sharded parameters are the optimizer's masters: no second copy);
+1. every parameter is made fp32 (the sharded parameters are the optimizer's masters: no second copy); a float64
+   model's stay float64, and it reduces in float64 (its run is float64 end to end);
 2. every replica is made to start from dp x cp rank 0's values (a broadcast, as the DDP wrapper does);
 3. ``fully_shard`` on each transformer layer (one all-gather / reduce-scatter unit per layer; FSDP2
    prefetches the next layer's all-gather implicitly), then on the chunk itself (the root unit: embedding,
@@ -69,17 +70,19 @@ def apply_fsdp2(module: nn.Module, groups, *, compute_dtype: torch.dtype, device
     # runtime's loss function and p2p sends read it, backward takes it as is), so the warning is noise here
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     attrs = {name: dict(p.__dict__) for name, p in module.named_parameters()}
+    wide = any(p.dtype == torch.float64 for p in module.parameters())
+    master = torch.float64 if wide else torch.float32
     for p in module.parameters():
-        if p.dtype != torch.float32:
-            p.data = p.data.float()  # exact: every bf16 / fp16 value is an fp32 value
+        if p.dtype != master:
+            p.data = p.data.to(master)  # exact: every bf16 / fp16 value is an fp32 value
         collectives.broadcast(p.data, src=groups.dp_cp.global_rank(0), group=groups.dp_cp.handle)
     if fp8_scales is not None:  # after the broadcast: the wrapped masters are the replicas' common values
         fp8_scales.wrap(module)
         attrs = {name: dict(p.__dict__) for name, p in module.named_parameters()}
-    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=master)
     # a layer's inputs are already in the compute dtype but for the fp32 rotary angles, which FSDP's default
     # input cast would round to bf16 (up to position x 2^-8 radians of rotation, 8 at position 2056): no cast there
-    layer_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
+    layer_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=master,
                                         cast_forward_inputs=False)
     for unit in shard_units(module):
         fully_shard(unit, mesh=mesh, mp_policy=layer_policy)
