@@ -425,7 +425,9 @@ class SimCollectives final : public c10d::Backend {
       return;
     }
     auto compare = [store = store_, key, pos, group = item->group, src, dst](bool settled) {
+      if (!settled) count_wait_store_ops();  // a blocked wait's check, paced (comm_queue.cpp's poll_pair_waits)
       if (!settled && !store->check({key})) return std::string();  // the sender has not issued it yet
+      if (!settled) count_wait_store_ops();
       auto raw = store->get(key);
       if (settled) store->deleteKey(key);
       std::string report = compare_positions(group, src, dst, std::string(raw.begin(), raw.end()), pos);
