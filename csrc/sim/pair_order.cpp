@@ -185,11 +185,13 @@ namespace {
 
 // A second connection to ``store`` for this thread's blocked waits: a TCPStore client holds its one connection for
 // the whole of a wait(), which would stall the watchdog's and other threads' operations on it. Kept per thread and
-// store (the store held, so its address is never another's); a few per process.
+// store (the store held, so its address is never another's), the last kKeep of them: a connection each.
 c10d::Store& waiter_of(c10d::Store& store) {
+  constexpr size_t kKeep = 8;
   thread_local std::vector<std::pair<c10::intrusive_ptr<c10d::Store>, c10::intrusive_ptr<c10d::Store>>> clones;
   for (const auto& [of, clone] : clones)
     if (of.get() == &store) return *clone;
+  if (clones.size() >= kKeep) clones.erase(clones.begin());  // this thread's: none of them is in a wait now
   auto held = c10::intrusive_ptr<c10d::Store>::reclaim_copy(&store);
   clones.emplace_back(held, held->clone());
   return *clones.back().second;
