@@ -36,7 +36,6 @@ namespace {
 
 std::atomic<int> g_live_communicators{0};  // SimCollectives not yet shut down or destroyed
 std::atomic<int> g_next_comm_stream{0};
-std::atomic<int64_t> g_releases{0};  // communicators whose release began (the job ends, or a group is destroyed)
 
 std::string group_name(const c10d::Backend& b) {
   const std::string& desc = b.getGroupDesc();
@@ -286,7 +285,6 @@ class SimCollectives final : public c10d::Backend {
   // The batch takes its place in the communicator's order of groups (group_order.cpp) before its work returns.
   c10::intrusive_ptr<c10d::Work> endCoalescing() override {
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
-    own_->issued();
     {
       std::lock_guard<std::mutex> lock(p2p_mutex_);
       coalescing_ = false;
@@ -339,7 +337,6 @@ class SimCollectives final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> submit(const char* op, const std::string& detail, Staging& s, F&& launch,
                                         Order order = Order::queued, int peer = -1, int tag = 0,
                                         const std::string& agree = "") {
-    own_->issued();
     auto item = std::make_shared<Item>();
     Site site = python_site_full();
     item->op = op;
@@ -425,7 +422,9 @@ class SimCollectives final : public c10d::Backend {
       return;
     }
     auto compare = [store = store_, key, pos, group = item->group, src, dst](bool settled) {
+      if (!settled) count_wait_store_ops();  // a blocked wait's check, paced (comm_queue.cpp's poll_pair_waits)
       if (!settled && !store->check({key})) return std::string();  // the sender has not issued it yet
+      if (!settled) count_wait_store_ops();
       auto raw = store->get(key);
       if (settled) store->deleteKey(key);
       std::string report = compare_positions(group, src, dst, std::string(raw.begin(), raw.end()), pos);
@@ -563,8 +562,6 @@ class SimCollectives final : public c10d::Backend {
   // "" or the report of a cycle found at the end (flush_cycles).
   std::string release() {
     if (released_.exchange(true)) return "";
-    own_->releasing.store(true);
-    g_releases.fetch_add(1);
     std::string report = flush_cycles();
     unwatch_p2p(this);
     if (g_live_communicators.fetch_sub(1) == 1) stop_collective_workers();
@@ -601,22 +598,16 @@ class SimCollectives final : public c10d::Backend {
     return "";
   }
 
-  // The report that reached this communicator on the watchdog once the job began to end for it (its cycle found,
-  // or a peer's report read, after its own release began, or after another communicator's release began with no
-  // operation issued on this one since: no operation of this group is left to raise it) is raised by its release
-  // (flush_cycles), once, unless an operation raised it; one that came before is the job's to raise (as it did, at
-  // its next operation on the device, or as another error of the same fault). Per communicator: a subgroup
-  // destroyed mid-run does not end the job for the groups still in use. Shared with the watch's callback, which may
-  // outlive the communicator.
+  // A report of this group that reached this communicator on the watchdog (its cycle found, or a peer's report
+  // read) is raised by its release (flush_cycles), once, unless an operation raised it: at the job's end, and mid-run
+  // too when no later operation on the device raised it (NCCL hangs there: the job must not end cleanly). Shared
+  // with the watch's callback, which may outlive the communicator.
   struct OwnReport {
     std::mutex m;
     std::string report;
-    std::atomic<bool> releasing{false};
-    std::atomic<int64_t> releases_at_issue{0};  // g_releases when this communicator last issued an operation
-    void issued() { releases_at_issue.store(g_releases.load()); }
     void note(const std::string& r) {
       std::lock_guard<std::mutex> lock(m);
-      if (report.empty() && (releasing.load() || g_releases.load() > releases_at_issue.load())) report = r;
+      if (report.empty()) report = r;
     }
     std::string take() {  // "" or the report when no operation raised it
       std::lock_guard<std::mutex> lock(m);

@@ -218,6 +218,75 @@ void poll_blocked(Queue& q, int index) {
   }
 }
 
+// Unbatched waits issued before the peer's counterpart (SimWork::await_pair): the issuing thread blocks in a store
+// wait for the pair's wake key (await_pair_place), so the watchdog runs their checks, paced, and wakes them.
+struct PairWait {
+  std::shared_ptr<BlockedWait> blocked;      // the cycle search of the wait (wait_cycle.cpp)
+  std::function<std::string()> early_check;  // a receive's order check against the sender's, while waiting
+  std::function<void(const CycleReport&)> on_cycle;
+  c10::intrusive_ptr<c10d::Store> store;
+  std::string wake;
+  SteadyClock::time_point until, next_check;
+  std::chrono::milliseconds interval{100};  // the early check's, doubling to 1 s (SearchPace's ladder)
+  std::mutex m;
+  std::string report;  // what the waiter is woken with ("" at the bound)
+  bool woken = false;
+  void wake_up(const std::string& found) {
+    {
+      std::lock_guard<std::mutex> lock(m);
+      if (woken) return;
+      woken = true;
+      report = found;
+    }
+    try {
+      store->set(wake, std::vector<uint8_t>{'w'});
+    } catch (const std::exception&) {  // the store is gone: the waiter's own store wait ends too
+    }
+  }
+  std::string taken() {
+    std::lock_guard<std::mutex> lock(m);
+    return report;
+  }
+};
+struct PairWaitEntry {
+  std::shared_ptr<PairWait> wait;
+  int device;
+};
+std::mutex g_pair_mutex;
+std::vector<PairWaitEntry> g_pair_waits;
+
+// On the watchdog: the device broken, a cycle of blocked waits through one of ``index``'s (its communicator
+// aborted), the receive's order check failed (paced on SearchPace's ladder: a legal long wait costs each rank a
+// few store operations a second), or the bound passed: the waiter is woken.
+void poll_pair_waits(Queue& q, int index) {
+  auto now = SteadyClock::now();
+  for (const auto& e : of_device(g_pair_mutex, g_pair_waits, index)) {
+    PairWait& w = *e.wait;
+    std::string report;
+    {
+      std::lock_guard<std::mutex> lock(q.m);
+      report = q.broken;
+    }
+    try {
+      CycleReport found = report.empty() && w.blocked ? w.blocked->poll() : CycleReport{};
+      if (!found.report.empty()) {
+        w.on_cycle(found);
+        std::lock_guard<std::mutex> lock(q.m);
+        if (q.broken.empty()) abort_queue(q, found.report);
+        report = found.report;
+      }
+      if (report.empty() && w.early_check && now >= w.next_check) {
+        report = w.early_check();
+        w.next_check = now + w.interval;
+        w.interval = std::min(w.interval * 2, SearchPace::kMost);
+      }
+    } catch (const std::exception&) {  // the store is gone: the job is ending
+      return;
+    }
+    if (!report.empty() || now >= w.until) w.wake_up(report);
+  }
+}
+
 void poll_p2p_reports(Queue& q, int index) {
   for (const auto& w : of_device(g_watch_mutex, g_watches, index)) {
     try {
@@ -247,6 +316,7 @@ void watchdog(int index) {
     }
     poll_p2p_reports(q, index);
     poll_blocked(q, index);
+    poll_pair_waits(q, index);
   }
 }
 
@@ -446,36 +516,43 @@ class SimWork final : public c10d::Work {
     raise_report(broken);
   }
   // Issued before the peer's operation at the same place of the pair's order: block in gloo only once the peer
-  // issued a matching one, so a deadlock the peer finds fails this rank too, with the peer's report.
+  // issued a matching one, so a deadlock the peer finds fails this rank too, with the peer's report. The host waits
+  // in the store for the peer's claim (no polling: a legal completion wakes it at once); the watchdog runs the
+  // checks meanwhile (poll_pair_waits) and wakes it with a report or at the bound.
   void await_pair(std::chrono::milliseconds timeout) {
     std::string key;
     std::swap(key, item_->pair_key);
     if (key.empty()) return;
-    Queue& q = queue_of();
-    auto broken = [&q, this] {
-      {
-        std::lock_guard<std::mutex> lock(q.m);
-        if (!q.broken.empty()) return q.broken;
-      }
-      std::string report = item_->early_check ? item_->early_check() : std::string();
-      if (!report.empty() || !item_->blocked) return report;
-      CycleReport cycle = item_->blocked->poll();
-      if (!cycle.report.empty()) {
-        item_->on_cycle(cycle);
-        std::lock_guard<std::mutex> lock(q.m);
-        if (q.broken.empty()) abort_queue(q, cycle.report);
-      }
-      return cycle.report;
-    };
-    if (item_->blocked) item_->blocked->enter();
+    auto bound = timeout == kNoTimeout ? deadlock_bound() : timeout;
+    auto w = std::make_shared<PairWait>();
+    w->blocked = item_->blocked;
+    w->early_check = item_->early_check;
+    w->on_cycle = item_->on_cycle;
+    w->store = item_->pair_store;
+    w->wake = wake_key(key);
+    w->next_check = SteadyClock::now() + SearchPace::kFirst;
+    w->until = SteadyClock::now() + bound + std::chrono::milliseconds(20);  // after the waiter's own deadline
+    if (w->blocked) w->blocked->enter();
+    {
+      std::lock_guard<std::mutex> lock(g_pair_mutex);
+      g_pair_waits.push_back({w, device});
+    }
     std::string report;
+    auto done = [&] {
+      {
+        std::lock_guard<std::mutex> lock(g_pair_mutex);
+        g_pair_waits.erase(std::remove_if(g_pair_waits.begin(), g_pair_waits.end(),
+                                          [&](const PairWaitEntry& e) { return e.wait == w; }), g_pair_waits.end());
+      }
+      if (w->blocked) w->blocked->leave();
+    };
     try {
-      report = await_pair_place(*item_->pair_store, key, timeout == kNoTimeout ? deadlock_bound() : timeout, broken);
+      report = await_pair_place(*item_->pair_store, key, bound, [&w] { return w->taken(); });
     } catch (...) {
-      if (item_->blocked) item_->blocked->leave();
+      done();
       throw;
     }
-    if (item_->blocked) item_->blocked->leave();
+    done();
     item_->blocked.reset();  // the counterpart was posted (or the bound passed): gloo's wait is not watched
     if (report.empty()) return;
     release_flight(item_);

@@ -105,6 +105,10 @@ void unwatch_p2p(const void* owner);
 [[noreturn]] void raise_report(const std::string& report);
 bool raised_before(const std::string& report);
 
+// The key the first of a pair's unbatched operations waits on (await_pair_place): set by the peer when it claims
+// the place, or by the watchdog when the wait must end (a report, the bound).
+std::string wake_key(const std::string& key);
+
 // The work an operation returns: waits for it in the queue, or for its point-to-point counterpart.
 c10::intrusive_ptr<c10d::Work> sim_work(ItemPtr item, int device);
 

@@ -31,6 +31,9 @@
 #include <thread>
 
 namespace sim {
+
+std::string wake_key(const std::string& key);  // comm_queue.h
+
 namespace {
 
 std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
@@ -117,12 +120,14 @@ PairClaim claim_pair_place(c10d::Store& store, const std::string& key, const std
   bool same_tag = std::stoi(theirs.substr(tab + 1, tab2 - tab - 1)) == tag;
   std::string their_payload = theirs.substr(tab2 + 1, tab3 - tab2 - 1);
   if (their_send != send && same_tag && their_payload == payload) {
-    store.set(key, bytes(kMatched));  // the first one's wait() may proceed
+    store.set(key, bytes(kMatched));  // the first one's wait() may proceed: woken
+    store.set(wake_key(key), bytes(kMatched));
     return {false, ""};
   }
-  // marked, not deleted: the first one polls the key with check() then get(), and a get() of a key deleted
-  // between the two would block for the store's whole timeout
+  // marked, not deleted: the first one reads the key when woken (a get() of a deleted key would block for the
+  // store's whole timeout)
   store.set(key, bytes(kDeadlock));
+  store.set(wake_key(key), bytes(kDeadlock));
   std::ostringstream os;
   if (their_send != send) {
     os << "sim: point-to-point " << (same_tag ? mismatch_kind(their_payload, payload) : "tag") << " mismatch on group '"
@@ -174,23 +179,58 @@ PairClaim claim_batched_place(c10d::Store& store, const std::string& group, int 
   return {false, os.str()};
 }
 
+std::string wake_key(const std::string& key) { return key + "/wake"; }
+
+namespace {
+
+// A second connection to ``store`` for this thread's blocked waits: a TCPStore client holds its one connection for
+// the whole of a wait(), which would stall the watchdog's and other threads' operations on it. Kept per thread and
+// store (the store held, so its address is never another's), the last kKeep of them: a connection each.
+c10d::Store& waiter_of(c10d::Store& store) {
+  constexpr size_t kKeep = 8;
+  thread_local std::vector<std::pair<c10::intrusive_ptr<c10d::Store>, c10::intrusive_ptr<c10d::Store>>> clones;
+  for (const auto& [of, clone] : clones)
+    if (of.get() == &store) return *clone;
+  if (clones.size() >= kKeep) clones.erase(clones.begin());  // this thread's: none of them is in a wait now
+  auto held = c10::intrusive_ptr<c10d::Store>::reclaim_copy(&store);
+  clones.emplace_back(held, held->clone());
+  return *clones.back().second;
+}
+
+}  // namespace
+
 std::string await_pair_place(c10d::Store& store, const std::string& key, std::chrono::milliseconds bound,
                              const std::function<std::string()>& broken) {
   auto until = std::chrono::steady_clock::now() + bound;
+  bool marked = false;  // the peer marked the place a deadlock: its report reaches broken() (the watchdog wakes us)
   try {
-    while (std::chrono::steady_clock::now() < until) {
-      std::string report = broken();  // the peer found a deadlock: its report reached this communicator
+    for (;;) {
+      std::string report = broken();  // a report the watchdog woke this wait with, or the communicator's
       if (!report.empty()) return report;
-      if (store.check({key})) {  // the key stays until this rank deletes it, so get() cannot block
-        auto raw = store.get(key);
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+      if (left.count() <= 0) return "";
+      if (!marked) {
+        count_wait_store_ops();
+        auto raw = store.get(key);  // the key stays until this rank deletes it, so get() cannot block
         std::string value(raw.begin(), raw.end());
         if (value == kMatched) {
+          count_wait_store_ops(2);
           store.deleteKey(key);
+          store.deleteKey(wake_key(key));
           return "";
         }
-        if (value == kDeadlock) store.deleteKey(key);  // the peer's report reaches broken() next
+        if (value == kDeadlock) {
+          count_wait_store_ops();
+          store.deleteKey(key);
+          marked = true;
+        }
       }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      // pushed by the store when the peer claims its place or the watchdog wakes this wait (at the bound at the
+      // latest, so the wait's own timeout, which the store logs, is a safety net only)
+      count_wait_store_ops();
+      waiter_of(store).wait({wake_key(key)}, left + std::chrono::seconds(1));
+      count_wait_store_ops();
+      store.deleteKey(wake_key(key));  // then broken() again: a wake the watchdog sets from here on is seen
     }
   } catch (const std::exception&) {  // the store is gone (the job is ending): gloo's own wait says what happened
   }

@@ -1,4 +1,5 @@
-"""A deadlock report found at the end of the job surfaces once, at the release of the group it belongs to.
+"""A deadlock report that no operation raised surfaces once, at the release of the group it belongs to: one found
+at the end of the job, and one found mid-run with no later operation on the device.
 
 The device's communicator queue is shared by every group a rank uses, so a report that breaks it (group A's cycle)
 is seen by every group's release; only A's may raise it (csrc/sim/collectives.cpp, flush_cycles), and only when no
@@ -98,5 +99,40 @@ def test_a_subgroup_destroyed_mid_run_does_not_end_the_job():
         said = [step for step in ("post", "B", "G", "A", "world") if r[step]]
         assert len(said) == 1 and said[0] in ("post", "A"), r
         m = r[said[0]]
+        assert "\n" not in m and "sim: point-to-point cycle deadlock on group '" in m, r
+        assert r["name"] in m and m.count("test_sim_shutdown_reports.py") == 6, r
+
+
+def ring_found_mid_run() -> dict:
+    """Every rank posts its side of the ring on a group G and never waits on it; the watchdog finds the cycle while
+    the ranks sleep (mid-run: no release has begun), and no later operation follows on the device. Then G is
+    destroyed: "" or the error ``destroy_process_group(G)`` raised (the default group stays for the harness)."""
+    import time
+
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+    from omnitron.testing.distributed import device_wedged
+
+    dev, me = get_backend().device(), dist.get_rank()
+    g = dist.new_group([0, 1, 2])
+    for batch in BRIEF_RING[me]:
+        dist.batch_isend_irecv([dist.P2POp(dist.isend if kind == "send" else dist.irecv, torch.zeros(4, device=dev),
+                                           peer, g) for kind, peer, _ in batch])
+    time.sleep(1.5)  # a watchdog poll or two finds the cycle (0.1 s each): noted by every rank's communicator
+    device_wedged()  # the closing barrier on the store: a collective there would raise the report itself
+    try:
+        dist.destroy_process_group(g)
+        return {"destroy": "", "name": g.group_name}
+    except RuntimeError as err:
+        return {"destroy": str(err), "name": g.group_name}
+
+
+def test_a_report_found_mid_run_that_no_operation_raised_surfaces_at_the_end():
+    """NCCL never completes the ring: the job hangs at its next synchronization with the device, or its watchdog
+    ends it at the timeout. sim found the cycle mid-run, and with no later operation to raise it every rank used to
+    go on cleanly (the group's destroy returned, nothing said); now each rank's release of the group raises it."""
+    for r in run_distributed(ring_found_mid_run, 3, backend="sim", env=ENV, timeout_s=150):
+        m = r["destroy"]
         assert "\n" not in m and "sim: point-to-point cycle deadlock on group '" in m, r
         assert r["name"] in m and m.count("test_sim_shutdown_reports.py") == 6, r

@@ -1,16 +1,22 @@
-"""The store traffic of a legal long wait (csrc/sim/collective_wait.cpp, wait_cycle.cpp; SearchPace in comm.h).
+"""The store traffic of a legal long wait (csrc/sim/collective_wait.cpp, wait_cycle.cpp, pair_order.cpp; SearchPace
+in comm.h, poll_pair_waits in comm_queue.cpp).
 
 A wait() blocked 0.1 s publishes a record for the cycle search. Rank 0 writing a checkpoint while the others sit in
 an all-reduce (or a receive) is legal, and used to cost each waiting rank a compareSet plus one read per member
 every 0.1 s (N*(N+1)*10 store operations a second on the TCPStore, ~42k/s at N = 64). Now a search runs only when a
-record changed since the last one began, and the polls back off from 0.1 s to 1 s.
+record changed since the last one began, and the polls back off from 0.1 s to 1 s. An unbatched receive issued
+before its send also polled the pair's key and the sender's order record every 20 ms (185 store operations in this
+test's 1.5 s window per waiting rank, counted on that code); it now waits in the store for the sender's claim (woken
+at once, no polling), and the watchdog runs its order check on the same backoff.
 
 Bound, derived (per waiting rank, in the window [WINDOW_S[0], WINDOW_S[1]] after the phase's barrier): every rank
 blocks and publishes within ~0.2 s (LATE_S = 0.8 s allowed on a loaded machine); after the last record change r the
 polls come at r + 0.1, 0.3, 0.7, 1.5, 2.5 s (intervals doubling to 1 s), so with r <= LATE_S the window holds
 polls only at least 0.8 s apart: at most 1 + 1.5 / 0.8 < 3 of them, each without a search: two operations (the
-deadlock key, the version) for a collective, one (the version) for a point-to-point wait. The old code polled
-every 0.1 s (at least 10 polls in the window), each one operation or more.
+deadlock key, the version) for a collective; for a point-to-point wait one (the version) and, on the same ladder
+from the wait's start, the receive's order check (one check of the sender's record, and one read once it is there):
+three. The old code polled every 0.1 s (at least 10 polls in the window), each one operation or more, and the
+receive's 20 ms loop three operations an iteration (at least 75 iterations in the window).
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ ENV = {"OMNITRON_SIM_DEADLOCK_S": "30", "OMNITRON_STRICT_COLLECTIVES": "1"}
 SLEEP_S = 3.5  # rank 0's "checkpoint": the others wait this long, legally
 WINDOW_S = (1.5, 3.0)  # where the store operations are counted (after the backoff's ladder, before the wait ends)
 POLLS_IN_WINDOW = 3  # see the module's docstring
-OPS_PER_POLL = {"collective": 2, "p2p": 1}
+OPS_PER_POLL = {"collective": 2, "p2p": 3}
 
 
 def legal_long_waits() -> dict:
