@@ -140,14 +140,14 @@ def _check_step(args: list[str], world: int, measured: list[tuple[int, int]], re
 
 
 @pytest.mark.parametrize("extra", [[], ["--recompute-granularity", "full", "--recompute-method", "block",
-                                        "--recompute-num-layers", "2"], pytest.param(
-    ["--swiglu", "--num-experts", "8", "--moe-router-topk", "2", "--moe-shared-expert-intermediate-size", "64"],
-    marks=pytest.mark.host_only("the planner's step-peak model follows the cpu backend's kernel table; sim's "
-                                "SwiGLU and MoE kernels save other bytes: a planner question for device kernel "
-                                "tables (issue 34)"))], ids=["tied", "full-block2", "moe"])
+                                        "--recompute-num-layers", "2"],
+                                   ["--swiglu", "--num-experts", "8", "--moe-router-topk", "2",
+                                    "--moe-shared-expert-intermediate-size", "64"]], ids=["tied", "full-block2", "moe"])
 def test_step_peak_one_process(extra, tmp_path):
     """Also on sim: the probes' dropout saves the device's one-byte masks (before 2026-12-06 the host's fp32 ones,
-    the prediction 15% above the step peak there); a GPT-2 layer's other kernels save what the cpu backend's do."""
+    the prediction 15% above the step peak there), and the probes run the kernels sim resolves where the host has
+    them (``plan/measure.py``'s ``_backend_kernels``: its reference SwiGLU; the MoE case 7.1% under on sim before
+    2026-12-07, -0.05% since)."""
     from omnitron.plan.measure import train_step_peak
 
     args = _args(str(tmp_path), extra)
@@ -168,9 +168,6 @@ _FULL8 = ["--num-layers", "8", "--recompute-granularity", "full", "--recompute-m
           "--recompute-num-layers", "1"]
 
 
-@pytest.mark.host_only("the planner's step-peak model follows the cpu backend's kernel table; on sim (flash "
-                        "attention blocks, the device allocator's peak) the measured peak differs by 7-15% "
-                        "(0.5-2.8 MB here): a planner question for device kernel tables (issue 34)")
 @pytest.mark.parametrize("schedule,more", [
     ("1f1b", []), pytest.param("interleaved", [], marks=pytest.mark.slow), ("zb-h1", []), ("zb-v", []),
     pytest.param("dualpipe-v", [], marks=pytest.mark.slow),
@@ -196,7 +193,9 @@ def test_step_peak_pipeline_two_ranks(schedule, more, tmp_path):
     (``core/precision/fp8/linear.py``), while B holds the wide one beside it until B ends; measured 2026-12-07
     within 2.6% on every stage for tensorwise / delayed / block-wise, bf16 and fp32 (the W inputs priced wide
     before: up to 6.2% over, within this bound: :func:`test_fp8_w_inputs_equal_what_the_split_backward_keeps`
-    is the exact check)."""
+    is the exact check). Also on sim since the probes run sim's reference RMSNorm, rope and SwiGLU
+    (``_backend_kernels``): 1F1B's stage 0 12.7% and ZB-V FP8's 15.9% under there before (2026-12-07), every case
+    and stage within 2.3% since."""
     extra = ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2", "--normalization", "RMSNorm", "--swiglu",
              "--position-embedding-type", "rope", "--disable-bias-linear", "--pipeline-schedule", schedule, *more]
     two_chunks = schedule in ("interleaved", "zb-v", "dualpipe-v")
@@ -212,7 +211,6 @@ _MOE = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "
 
 
 @pytest.mark.slow
-@pytest.mark.host_only("the planner's step-peak model follows the cpu backend's kernel table (see above)")
 def test_step_peak_moe_two_ranks(tmp_path):
     """MoE layers on 2 ranks, every rank's step peak: ep2 with every expert padded to its capacity (each rank's
     rows are then the capacity's whatever the router picks, so the balanced-routing plan is exact), and tp2 + SP
@@ -222,7 +220,8 @@ def test_step_peak_moe_two_ranks(tmp_path):
     256 KiB): gloo's worker may drop them after ``wait`` returns, so the measured peak holds them or not (seen
     2026-12-04: the same run 0, 66 KiB or 230 KiB higher). Still fails on any per-assignment ``[A, h]`` tensor
     missed in the 4 layers (512 KiB). Dropless ep2 is not checked per rank: a rank's peak moves with the rows
-    routed to it (+-5% here)."""
+    routed to it (+-5% here). Also on sim (``_backend_kernels``, 2026-12-07): ep2 11.4% under before, +0.01% since;
+    tp2 + SP +1.2% (88 KiB over; +0.3% on cpu)."""
     argvs = [_args(str(tmp_path), _MOE + extra) for extra in (
         ["--expert-model-parallel-size", "2", "--moe-expert-capacity-factor", "1.0",
          "--moe-pad-expert-input-to-capacity"], ["--tensor-model-parallel-size", "2", "--sequence-parallel"])]
@@ -254,7 +253,6 @@ def skewed_step_peak(argv: list[str], world: int, root: str, bias: list[float]) 
 
 
 @pytest.mark.slow
-@pytest.mark.host_only("the planner's step-peak model follows the cpu backend's kernel table (see above)")
 def test_step_peak_busiest_ep_rank_under_skewed_routing(tmp_path):
     """ep2 dropless with a random expert biased (the engine's sigmoid selection with an expert bias): the rank
     holding it receives about 2/3 of the rows in every layer. The measured step's picks, summed over the two ranks
@@ -265,7 +263,8 @@ def test_step_peak_busiest_ep_rank_under_skewed_routing(tmp_path):
     test_step_peak_moe_two_ranks) either way. Measured 2026-12-04 (BENCHMARKS.md) with the rank's local experts'
     backward at balanced rows: 0.3-3.4% under in four runs; priced at the rank's rows (omnitron/plan/moe_backward.py)
     +0.4% to +1.5% over in six runs (2026-12-04, 23:00 UTC). The balanced plan, or the rows at balanced, is 16-18%
-    (3 MB) under: this fails (planted, 2026-12-04)."""
+    (3 MB) under: this fails (planted, 2026-12-04). Also on sim (``_backend_kernels``, 2026-12-07): 8.6% under
+    before, +0.01% since."""
     from omnitron.core.training.arguments import parse_settings
     from omnitron.plan.memory import estimate
     from omnitron.plan.routing import read_expert_load

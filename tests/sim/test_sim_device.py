@@ -111,6 +111,26 @@ def _fallback(be) -> dict:
             "grad_device": str(wd.grad.device)}
 
 
+def _silu_backward(be) -> dict:
+    """SiLU's backward on the device (``silu_backward``, reached through autograd) allocates its one output, as on a
+    GPU, not the six full-size tensors of ATen's decomposition a device without its own kernel gets
+    (omnitron/backends/sim/structured.py); float64 values against the derivative written out by hand."""
+    torch.manual_seed(0)
+    n = 1000
+    x, g = torch.randn(n, dtype=torch.float64) * 4, torch.randn(n, dtype=torch.float64)
+    xd = x.to(be.device()).requires_grad_()
+    y = torch.nn.functional.silu(xd)
+    gd = g.to(be.device())
+    be.reset_peak_memory_stats()
+    base = be.memory_stats()["allocated"]
+    (dx,) = torch.autograd.grad(y, xd, gd)
+    peak = be.memory_stats()["peak_allocated"] - base
+    sig = 1.0 / (1.0 + torch.exp(-x))
+    want = g * sig * (1.0 + x * (1.0 - sig))  # d/dx x sigmoid(x) = sigmoid(x) (1 + x (1 - sigmoid(x)))
+    return {"err": (dx.cpu() - want).abs().max().item(), "scale": (g.abs() * (1.0 + x.abs())).max().item(),
+            "peak": peak, "device": str(dx.device)}
+
+
 def _staged_collective(be) -> dict:
     """simccl hands a result back on wait(), not before (a vendor library's stream semantics)."""
     import torch.distributed as dist
@@ -127,7 +147,7 @@ def device_checks() -> dict:
     be = get_backend()
     return {"memory": _memory(be), "caching": _caching(be), "rng": _rng(be), "syncs": _syncs(be),
             "placement": _placement(be),
-            "fallback": _fallback(be), "collective": _staged_collective(be)}
+            "fallback": _fallback(be), "silu_backward": _silu_backward(be), "collective": _staged_collective(be)}
 
 
 def test_sim_device_against_host_torch():
@@ -148,6 +168,12 @@ def test_sim_device_against_host_torch():
     f = r["fallback"]
     # the same CPU kernels on the same float64 data: identical results, on the device
     assert f == {"base": 0.0, "out": 0.0, "out_device": "sim:0", "grad": 0.0, "grad_device": "sim:0"}, f
+    d = r["silu_backward"]
+    # one float64 [1000] output (8000 bytes, one 512-byte-rounded block); the decomposition's peak is six
+    assert d["peak"] == -(-8000 // ROUND) * ROUND and d["device"] == "sim:0", d
+    # the kernel's and the reference's products, sums and exp differ by a few roundings each, every term bounded by
+    # |g| (1 + |x|) (sigmoid in (0, 1)): 16 float64 epsilons of that is well above them and far below any wrong formula
+    assert d["err"] <= 16 * torch.finfo(torch.float64).eps * d["scale"], d
     for res in results:
         assert res["collective"] == {"sum": [3.0] * 4, "device": "sim:0"}, res["collective"]
 

@@ -18,6 +18,8 @@ import types
 
 import torch
 
+from omnitron.backends.sim import structured
+
 NAME = "sim"
 DIST_BACKEND = "simccl"
 BUILD_HINT = "build it with: MAX_JOBS=2 python setup.py build_ext --inplace (or pip install -e .)"
@@ -66,6 +68,7 @@ def claim(name: str = NAME):
     ext.set_site_hook(_issue_site)
     ext.set_device_count(int(os.environ.get(DEVICES_ENV, "8")))
     ext.set_poison(os.environ.get(POISON_ENV) == "1")
+    structured.register()
     if claimed_name() != name:
         torch.utils.rename_privateuse1_backend(name)
     if not hasattr(torch.Tensor, name):
