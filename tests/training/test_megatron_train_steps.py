@@ -13,11 +13,11 @@ uneven loss mask (float64), dp2, tp2 and pp2 on two gloo ranks (each against meg
 layout, float64), one rank in float32, and dp2 with the distributed optimizer in float32 (megatron-core's refuses
 float64 parameters); tp2 x pp2, dp2 x tp2 with --sequence-parallel and dp2 x pp2 on four ranks, pp2 x vpp2 (4 layers,
 the interleaved schedule), pp2 with untied embeddings and MoE at ep2 (4 experts, top 2, aux loss, alltoall) in
-float64, dp2 (and dp2 x pp2 x vpp2) with --overlap-grad-reduce --overlap-param-gather and the distributed optimizer
-in float32, one rank in fp16 with dynamic loss scaling (and dp2 with the distributed optimizer) and in bf16
-(make_fixtures.py's docstring says how each is run). MoE at dp2 x tp2 x ep2 under --sequence-parallel is checked
-against megatron-core's dp2 x ep2 run: megatron-core's own run at that layout sums the experts' fc2 bias gradients
-over the tensor-parallel group (make_fixtures.py MEGATRON_BUG).
+float64, dp2 (dp2 x pp2 x vpp2, MoE at dp4 x ep2) with --overlap-grad-reduce --overlap-param-gather and the
+distributed optimizer in float32, one rank in fp16 with dynamic loss scaling (and dp2 with the distributed
+optimizer) and in bf16 (make_fixtures.py's docstring says how each is run). MoE at dp2 x tp2 x ep2 under
+--sequence-parallel is checked against megatron-core's dp2 x ep2 run: megatron-core's own run at that layout sums
+the experts' fc2 bias gradients over the tensor-parallel group (make_fixtures.py MEGATRON_BUG).
 
 Float64 bound (TOL64). Both models run in float64; what is not float64: Megatron's loss function casts the per-token
 losses to float32 (its logged loss: 128 float32 products summed, a tree of depth 7, and the cast: <= 8 u relative,
@@ -257,6 +257,7 @@ LAYOUTS["tp1_fp16"] = ["--fp16", "--initial-loss-scale", "65536", "--min-loss-sc
 LAYOUTS["dp2_distopt_fp16"] = [*LAYOUTS["tp1_fp16"], "--use-distributed-optimizer"]
 LAYOUTS["dp2_tp2_sp_moe_ep2"] = [*LAYOUTS["dp2_tp2_sp"], *LAYOUTS["dp2_moe_ep2"], "--expert-tensor-parallel-size", "1"]
 LAYOUTS["dp2_pp2_vpp2_overlap_distopt_fp32"] = [*LAYOUTS["pp2_vpp2"], *LAYOUTS["dp2_overlap_distopt_fp32"]]
+LAYOUTS["dp4_moe_ep2_overlap_distopt_fp32"] = [*LAYOUTS["dp2_moe_ep2"], *LAYOUTS["dp2_overlap_distopt_fp32"]]
 """case -> omnitron's flags for megatron-core's layout and options of that case (make_fixtures.py's CASES,
 OPTIONS)"""
 
@@ -292,9 +293,11 @@ def test_interleaved_untied_overlapped_and_moe_match_megatron_every_iteration():
 
 
 def test_four_rank_layouts_match_megatron_every_iteration():
-    """tp2 x pp2, dp2 x tp2 with --sequence-parallel, dp2 x pp2, and dp2 x pp2 x vpp2 with the distributed
-    optimizer and --overlap-grad-reduce --overlap-param-gather (float32) on four ranks."""
-    check_layouts(4, ["tp2_pp2", "dp2_tp2_sp", "dp2_pp2", "dp2_pp2_vpp2_overlap_distopt_fp32"])
+    """tp2 x pp2, dp2 x tp2 with --sequence-parallel, dp2 x pp2; dp2 x pp2 x vpp2 and MoE at dp4 x ep2 (the
+    experts' gradients reduced over their own data-parallel pair) with the distributed optimizer and
+    --overlap-grad-reduce --overlap-param-gather (float32) on four ranks."""
+    check_layouts(4, ["tp2_pp2", "dp2_tp2_sp", "dp2_pp2", "dp2_pp2_vpp2_overlap_distopt_fp32",
+                      "dp4_moe_ep2_overlap_distopt_fp32"])
 
 
 def test_moe_under_sequence_parallelism_matches_megatron_at_dp2_ep2():

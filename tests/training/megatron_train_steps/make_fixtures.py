@@ -51,7 +51,9 @@ scheduler steps after good steps only, as ``train_step``; the scale used in each
 ``tp1_bf16`` (--bf16 in Float16Module, gradients accumulated and reduced in float32 as Megatron's --bf16 sets
 --accumulate-allreduce-grads-in-fp32; it runs on CPU with torch 2.13). Also ``dp2_distopt_fp16`` (fp16 with the
 distributed optimizer: two overflows), ``dp2_pp2_vpp2_overlap_distopt_fp32`` (four ranks; the interleaved schedule's
-param-sync hook as ``training.train`` sets it under --align-param-gather) and ``dp2_tp2_sp_moe_ep2`` (four ranks,
+param-sync hook as ``training.train`` sets it under --align-param-gather), ``dp4_moe_ep2_overlap_distopt_fp32``
+(four ranks: the experts' gradients reduced over their data-parallel pair, overlapped) and ``dp2_tp2_sp_moe_ep2`` (four
+ranks,
 --expert-tensor-parallel-size 1 as megatron-core's experts need for biases; its run is wrong, see MEGATRON_BUG:
 losses and norms only). A case whose
 model differs (4 layers, untied, MoE) draws its own weights from the same seed (``case_weights``). Only what the test
@@ -90,12 +92,14 @@ CASES = {"tp1": (1, 1, 1), "tp1_masked": (1, 1, 1), "tp1_fp32": (1, 1, 1), "dp2"
          "pp2": (1, 2, 1), "dp2_distopt_fp32": (1, 1, 2), "tp2_pp2": (2, 2, 1), "dp2_tp2_sp": (2, 1, 2),
          "dp2_pp2": (1, 2, 2), "pp2_vpp2": (1, 2, 1), "pp2_untied": (1, 2, 1), "dp2_overlap_distopt_fp32": (1, 1, 2),
          "dp2_moe_ep2": (1, 1, 2), "tp1_fp16": (1, 1, 1), "tp1_bf16": (1, 1, 1), "dp2_distopt_fp16": (1, 1, 2),
-         "dp2_tp2_sp_moe_ep2": (2, 1, 2), "dp2_pp2_vpp2_overlap_distopt_fp32": (1, 2, 2)}
+         "dp2_tp2_sp_moe_ep2": (2, 1, 2), "dp2_pp2_vpp2_overlap_distopt_fp32": (1, 2, 2),
+         "dp4_moe_ep2_overlap_distopt_fp32": (1, 1, 4)}
 """name -> (tp, pp, dp) of megatron-core's run"""
 OPTIONS = {"dp2_tp2_sp": dict(sp=True), "pp2_vpp2": dict(layers=4, vpp=2), "pp2_untied": dict(untie=True),
            "dp2_overlap_distopt_fp32": dict(overlap=True), "dp2_moe_ep2": dict(moe=True, ep=2),
            "dp2_tp2_sp_moe_ep2": dict(sp=True, moe=True, ep=2),
-           "dp2_pp2_vpp2_overlap_distopt_fp32": dict(layers=4, vpp=2, overlap=True)}
+           "dp2_pp2_vpp2_overlap_distopt_fp32": dict(layers=4, vpp=2, overlap=True),
+           "dp4_moe_ep2_overlap_distopt_fp32": dict(moe=True, ep=2, overlap=True)}
 """name -> what the case changes: sp (--sequence-parallel), layers (--num-layers), vpp (virtual stages a rank),
 untie (--untie-embeddings-and-output-weights), overlap (--overlap-grad-reduce --overlap-param-gather), moe (4
 experts, top 2, aux loss, the alltoall dispatcher) with ep (--expert-model-parallel-size); the dtype is the name's
