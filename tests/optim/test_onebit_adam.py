@@ -229,6 +229,15 @@ def test_refusals_name_the_reason_and_the_fix():
     assert resolve_freeze_step(parse_settings(base + ["--onebit-freeze-step", "7"], 1).optim, 20) == 7
 
 
+@pytest.mark.parametrize("iters", [7, 13, 19, 33, 61, 200])
+def test_default_freeze_step_is_the_nearest_whole_step_to_15_percent(iters):
+    """Without --onebit-freeze-step the warm-up is 15% of --train-iters rounded to the nearest step (at least one):
+    in integers, floor((15 n + 50) / 100). The counts avoid n = 10 mod 20, where 15 n / 100 ends in exactly .5 and
+    the tie rule would matter; 13 (1.95 -> 2), 19 (2.85 -> 3) and 33 (4.95 -> 5) tell rounding from truncation."""
+    cfg = OptimizerConfig(optimizer="onebit_adam")
+    assert resolve_freeze_step(cfg, iters) == max(1, (15 * iters + 50) // 100)
+
+
 LAYOUTS = {"pp2": ["--pipeline-model-parallel-size", "2"],
            "tp2_sp_bf16": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16"]}
 
