@@ -82,6 +82,21 @@ def test_scores_and_order_against_a_plain_computation():
         assert fields["straggler_slowest_rank"] == by_time[0] and f"slowest rank {by_time[0]} " in line
 
 
+def test_ties_and_idle_ranks_follow_the_stated_rules():
+    """Equal compute times are named lower rank first among the slowest; ranks that computed nothing (a zero
+    median) all score 1.0, not 0 or a division by zero (straggler.py's rules, by hand)."""
+    rng = random.Random(time.time_ns())
+    for world in (3, 4, 6):
+        slow, fast = rng.uniform(50.0, 100.0), rng.uniform(1.0, 10.0)
+        tied = sorted(rng.sample(range(world), 2))
+        compute = [slow if r in tied else fast for r in range(world)]
+        table = {"compute": compute, "step": [200.0] * world, "forward": compute, "backward": [0.0] * world}
+        fields, _ = straggler_fields(table, 2)
+        assert fields["straggler_slowest_ranks"] == tied and fields["straggler_slowest_rank"] == tied[0]
+        idle = {k: [0.0] * world for k in table}
+        assert straggler_fields(idle, 1)[0]["straggler_scores"] == [1.0] * world
+
+
 def test_bad_count_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="--straggler-minmax-count must be >= 1"):
         parse_settings(_args(str(tmp_path), "--straggler-minmax-count", "0"), 1)
