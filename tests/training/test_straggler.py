@@ -97,6 +97,27 @@ def test_ties_and_idle_ranks_follow_the_stated_rules():
         assert straggler_fields(idle, 1)[0]["straggler_scores"] == [1.0] * world
 
 
+def test_one_rank_report_is_the_mean_of_its_steps_since_the_last():
+    """A report gives each section's mean in ms per recorded step since the previous report: compute is forward
+    plus backward; a step that recorded no spans counts as zero compute (by hand, one process, fresh times)."""
+    from omnitron.core.training.straggler import StragglerDetector
+
+    rng = random.Random(time.time_ns())
+    det = StragglerDetector(world_size=1, collectives=None, device="cpu", minmax_count=1, host_clock_only=False,
+                            rank=0)
+    for _ in range(2):  # two reports: the second sees only its own steps
+        steps = [(rng.uniform(0.1, 0.2), {"forward": rng.uniform(0.01, 0.02), "backward": rng.uniform(0.02, 0.04)})
+                 for _ in range(rng.randint(2, 5))] + [(rng.uniform(0.1, 0.2), None)]
+        for step_s, sections in steps:
+            det.record(step_s, sections)
+        fields, _ = det.report()
+        n, spans = len(steps), [sec for _, sec in steps if sec]
+        for key, want in (("step", sum(t for t, _ in steps)), ("forward", sum(x["forward"] for x in spans)),
+                          ("backward", sum(x["backward"] for x in spans)),
+                          ("compute", sum(x["forward"] + x["backward"] for x in spans))):
+            assert fields[f"straggler_{key}_ranks_ms"] == pytest.approx([1e3 * want / n], rel=1e-12), key
+
+
 def test_bad_count_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="--straggler-minmax-count must be >= 1"):
         parse_settings(_args(str(tmp_path), "--straggler-minmax-count", "0"), 1)
