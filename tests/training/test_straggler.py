@@ -118,6 +118,25 @@ def test_one_rank_report_is_the_mean_of_its_steps_since_the_last():
             assert fields[f"straggler_{key}_ranks_ms"] == pytest.approx([1e3 * want / n], rel=1e-12), key
 
 
+def test_log_line_step_range_and_the_host_clock_note(caplog):
+    """The line gives the ranks' step times as min-max; the host-clock note is logged once, by rank 0 only."""
+    import logging
+
+    from omnitron.core.training.straggler import StragglerDetector
+
+    rng = random.Random(time.time_ns())
+    steps = [rng.uniform(100.0, 200.0) for _ in range(4)]
+    table = {"compute": [1.0, 2.0, 3.0, 4.0], "step": steps, "forward": [0.0] * 4, "backward": [0.0] * 4}
+    assert f"| step {min(steps):.1f}-{max(steps):.1f} ms" in straggler_fields(table, 1)[1]
+    note = "compute spans time their launch on the host"
+    for rank, said in ((0, True), (1, False)):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="omnitron.train"):
+            StragglerDetector(world_size=2, collectives=None, device="cpu", minmax_count=1, host_clock_only=True,
+                              rank=rank)
+        assert (note in caplog.text) is said, rank
+
+
 def test_bad_count_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="--straggler-minmax-count must be >= 1"):
         parse_settings(_args(str(tmp_path), "--straggler-minmax-count", "0"), 1)
