@@ -76,6 +76,15 @@ def test_merge_concatenates_documents(tmp_path):
     assert merged.num_documents == sum(map(len, parts))
 
 
+def test_token_dtype_is_megatrons_choice():
+    """Megatron's DType.optimal_dtype: uint16 below a cardinality of 65,500 (not 65,536), else int32; None: int32."""
+    from omnitron.core.data.indexed import optimal_dtype
+
+    for vocab, want in ((1, np.uint16), (50257, np.uint16), (65499, np.uint16), (65500, np.int32),
+                        (65536, np.int32), (200000, np.int32), (None, np.int32)):
+        assert optimal_dtype(vocab) is want, vocab
+
+
 def test_bad_files_fail_with_clear_errors(tmp_path):
     docs = _random_docs(np.random.default_rng(2), 5, 500)
     idx, data = _fixture_bytes(docs, 8, np.uint16)
@@ -97,6 +106,9 @@ def test_bad_files_fail_with_clear_errors(tmp_path):
         IndexedDataset(write("idx", idx[:-8], data))
     with pytest.raises(IndexedDatasetError, match="no such file"):
         IndexedDataset(tmp_path / "nothing")
+    seqs = struct.unpack("<Q", idx[18:26])[0]  # the last document boundary short of the sequence count
+    with pytest.raises(IndexedDatasetError, match="document boundaries must rise from 0 to the sequence count"):
+        IndexedDataset(write("docs", idx[:-8] + struct.pack("<q", seqs - 1), data))
     b = IndexedDatasetBuilder(str(tmp_path / "o.bin"), np.uint16)
     with pytest.raises(IndexedDatasetError, match="do not fit"):
         b.add_item([1, 70000])
