@@ -85,6 +85,23 @@ def test_token_dtype_is_megatrons_choice():
         assert optimal_dtype(vocab) is want, vocab
 
 
+def test_sequences_stored_out_of_order_are_read_and_their_truncation_seen(tmp_path):
+    """The format allows any pointers: sequence 0 stored after sequence 1 in the .bin. Both read back, and a .bin
+    cut short of sequence 0's end (not the last sequence's) is refused as truncated."""
+    rng = np.random.default_rng()
+    first, second = rng.integers(0, 500, 7).tolist(), rng.integers(0, 500, 5).tolist()
+    data = struct.pack("<5H", *second) + struct.pack("<7H", *first)
+    idx = b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, 2, 3) + struct.pack("<2i", 7, 5)
+    idx += struct.pack("<2q", 10, 0) + struct.pack("<3q", 0, 1, 2)
+    for name, body in (("whole", data), ("cut", data[:-2])):
+        (tmp_path / f"{name}.idx").write_bytes(idx)
+        (tmp_path / f"{name}.bin").write_bytes(body)
+    ds = IndexedDataset(tmp_path / "whole")
+    assert ds[0].tolist() == first and ds[1].tolist() == second
+    with pytest.raises(IndexedDatasetError, match="truncated: 22 bytes, the index needs 24"):
+        IndexedDataset(tmp_path / "cut")
+
+
 def test_bad_files_fail_with_clear_errors(tmp_path):
     docs = _random_docs(np.random.default_rng(2), 5, 500)
     idx, data = _fixture_bytes(docs, 8, np.uint16)
