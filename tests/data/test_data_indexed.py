@@ -87,7 +87,8 @@ def test_token_dtype_is_megatrons_choice():
 
 def test_sequences_stored_out_of_order_are_read_and_their_truncation_seen(tmp_path):
     """The format allows any pointers: sequence 0 stored after sequence 1 in the .bin. Both read back, and a .bin
-    cut short of sequence 0's end (not the last sequence's) is refused as truncated; a negative length is refused."""
+    cut short of sequence 0's end (not the last sequence's) is refused as truncated; a negative length is refused,
+    and so is an id equal to the vocabulary size."""
     rng = np.random.default_rng()
     first, second = rng.integers(0, 500, 7).tolist(), rng.integers(0, 500, 5).tolist()
     data = struct.pack("<5H", *second) + struct.pack("<7H", *first)
@@ -100,6 +101,11 @@ def test_sequences_stored_out_of_order_are_read_and_their_truncation_seen(tmp_pa
     assert ds[0].tolist() == first and ds[1].tolist() == second
     with pytest.raises(IndexError, match=r"slice \[3, 2\) outside sequence 1"):  # not numpy's count -1: the rest
         ds.get(1, 3, -1)
+    ds.vocab_size = max(first) + 1
+    assert ds[0].tolist() == first
+    ds.vocab_size = max(first)  # an id equal to the vocabulary size is outside it
+    with pytest.raises(IndexedDatasetError, match=f"holds token id {max(first)}, outside the tokenizer's range"):
+        ds[0]
     with pytest.raises(IndexedDatasetError, match="truncated: 22 bytes, the index needs 24"):
         IndexedDataset(tmp_path / "cut")
 
