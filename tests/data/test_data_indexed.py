@@ -110,6 +110,18 @@ def test_sequences_stored_out_of_order_are_read_and_their_truncation_seen(tmp_pa
         IndexedDataset(tmp_path / "cut")
 
 
+def test_token_range_sees_a_negative_id_in_any_chunk(tmp_path):
+    """A corrupt int32 .bin with a negative id early on: token_range, read in chunks smaller than the file, reports
+    it as the smallest id (not the last chunk's smallest) and the largest id of all."""
+    rng = np.random.default_rng()
+    ids = rng.integers(0, 1000, 12)
+    ids[rng.integers(0, 4)] = -int(rng.integers(1, 100))
+    idx, data = _fixture_bytes([[ids.tolist()]], 4, np.int32)
+    (tmp_path / "neg.idx").write_bytes(idx)
+    (tmp_path / "neg.bin").write_bytes(data)
+    assert IndexedDataset(tmp_path / "neg").token_range(chunk_tokens=4) == (int(ids.min()), int(ids.max()))
+
+
 def test_bad_files_fail_with_clear_errors(tmp_path):
     docs = _random_docs(np.random.default_rng(2), 5, 500)
     idx, data = _fixture_bytes(docs, 8, np.uint16)
