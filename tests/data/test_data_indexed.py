@@ -76,6 +76,52 @@ def test_merge_concatenates_documents(tmp_path):
     assert merged.num_documents == sum(map(len, parts))
 
 
+def test_token_dtype_is_megatrons_choice():
+    """Megatron's DType.optimal_dtype: uint16 below a cardinality of 65,500 (not 65,536), else int32; None: int32."""
+    from omnitron.core.data.indexed import optimal_dtype
+
+    for vocab, want in ((1, np.uint16), (50257, np.uint16), (65499, np.uint16), (65500, np.int32),
+                        (65536, np.int32), (200000, np.int32), (None, np.int32)):
+        assert optimal_dtype(vocab) is want, vocab
+
+
+def test_sequences_stored_out_of_order_are_read_and_their_truncation_seen(tmp_path):
+    """The format allows any pointers: sequence 0 stored after sequence 1 in the .bin. Both read back, and a .bin
+    cut short of sequence 0's end (not the last sequence's) is refused as truncated; a negative length is refused,
+    and so is an id equal to the vocabulary size."""
+    rng = np.random.default_rng()
+    first, second = rng.integers(0, 500, 7).tolist(), rng.integers(0, 500, 5).tolist()
+    data = struct.pack("<5H", *second) + struct.pack("<7H", *first)
+    idx = b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, 2, 3) + struct.pack("<2i", 7, 5)
+    idx += struct.pack("<2q", 10, 0) + struct.pack("<3q", 0, 1, 2)
+    for name, body in (("whole", data), ("cut", data[:-2])):
+        (tmp_path / f"{name}.idx").write_bytes(idx)
+        (tmp_path / f"{name}.bin").write_bytes(body)
+    ds = IndexedDataset(tmp_path / "whole")
+    assert ds[0].tolist() == first and ds[1].tolist() == second
+    with pytest.raises(IndexError, match=r"slice \[3, 2\) outside sequence 1"):  # not numpy's count -1: the rest
+        ds.get(1, 3, -1)
+    ds.vocab_size = max(first) + 1
+    assert ds[0].tolist() == first
+    ds.vocab_size = max(first)  # an id equal to the vocabulary size is outside it
+    with pytest.raises(IndexedDatasetError, match=f"holds token id {max(first)}, outside the tokenizer's range"):
+        ds[0]
+    with pytest.raises(IndexedDatasetError, match="truncated: 22 bytes, the index needs 24"):
+        IndexedDataset(tmp_path / "cut")
+
+
+def test_token_range_sees_a_negative_id_in_any_chunk(tmp_path):
+    """A corrupt int32 .bin with a negative id early on: token_range, read in chunks smaller than the file, reports
+    it as the smallest id (not the last chunk's smallest) and the largest id of all."""
+    rng = np.random.default_rng()
+    ids = rng.integers(0, 1000, 12)
+    ids[rng.integers(0, 4)] = -int(rng.integers(1, 100))
+    idx, data = _fixture_bytes([[ids.tolist()]], 4, np.int32)
+    (tmp_path / "neg.idx").write_bytes(idx)
+    (tmp_path / "neg.bin").write_bytes(data)
+    assert IndexedDataset(tmp_path / "neg").token_range(chunk_tokens=4) == (int(ids.min()), int(ids.max()))
+
+
 def test_bad_files_fail_with_clear_errors(tmp_path):
     docs = _random_docs(np.random.default_rng(2), 5, 500)
     idx, data = _fixture_bytes(docs, 8, np.uint16)
@@ -97,6 +143,9 @@ def test_bad_files_fail_with_clear_errors(tmp_path):
         IndexedDataset(write("idx", idx[:-8], data))
     with pytest.raises(IndexedDatasetError, match="no such file"):
         IndexedDataset(tmp_path / "nothing")
+    seqs = struct.unpack("<Q", idx[18:26])[0]  # the last document boundary short of the sequence count
+    with pytest.raises(IndexedDatasetError, match="document boundaries must rise from 0 to the sequence count"):
+        IndexedDataset(write("docs", idx[:-8] + struct.pack("<q", seqs - 1), data))
     b = IndexedDatasetBuilder(str(tmp_path / "o.bin"), np.uint16)
     with pytest.raises(IndexedDatasetError, match="do not fit"):
         b.add_item([1, 70000])

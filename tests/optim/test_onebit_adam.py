@@ -94,7 +94,9 @@ def _hyper(widths) -> dict:
     return {**HYPER, "clip_grad": 0.3, "adam_eps": 1e-4} if widths == WIDE else HYPER
 
 
-def compressed_stage_worker(widths=(6, 5, 3)) -> dict:
+def compressed_stage_worker(widths=(6, 5, 3), dead_input: bool = False) -> dict:
+    """The parameters and norms of each step at dp; ``dead_input``: the first input feature is always 0, so the
+    first column of the first weight never has a gradient."""
     from omnitron.core.config import ParallelConfig
     from omnitron.core.parallel.data import DataParallelConfig, DistributedDataParallel
 
@@ -109,6 +111,8 @@ def compressed_stage_worker(widths=(6, 5, 3)) -> dict:
         ddp.zero_grad_buffer()
         ddp.reduce_over_dp = opt.grad_reduction_over_dp()  # what the training step does
         x, y = (t.to(be.device()) for t in _batch(groups.dp.rank, step, widths))
+        if dead_input:
+            x[:, 0] = 0
         ((ddp(x.float()) - y.float()) ** 2).mean().backward()
         ddp.finish_grad_sync()
         norms.append(opt.step(LR).grad_norm)
@@ -156,6 +160,23 @@ def test_compressed_stage_matches_float64_simulation(dp, backend, widths):
     for step in range(STEPS):  # all replicas hold the same parameters, bit for bit
         for r in range(1, dp):
             assert all(torch.equal(a, b) for a, b in zip(res[r]["params"][step], res[0]["params"][step]))
+
+
+def test_elements_without_warmup_variance_do_not_move_when_compressed():
+    """An element whose gradient was exactly zero through the warm-up has a frozen variance of 0: its
+    preconditioned momentum is 0 (DeepSpeed's exp_avg_mask), and the 1-bit all-reduce, which gives every element of
+    a block +-its scale, must not move it. With a zero gradient AdamW's warm-up moves it by the decoupled decay
+    alone, so after every step s its value is w0 (1 - lr wd)^s. fp32: s multiplications by a factor near 1 round
+    by <= s x 6e-8 relative, < 1e-6 absolute for |w0| <= 1 over 6 steps; a compressed move is lr x scale / bc1,
+    ~1e-2 x O(1)."""
+    res = run_distributed(compressed_stage_worker, 2, (6, 5, 3), True)
+    w0 = _model().state_dict()["0.weight"][:, 0].double()
+    decay = 1 - LR * HYPER["weight_decay"]
+    for rank in range(2):
+        for step in range(STEPS):
+            got = res[rank]["params"][step][0][:, 0].double().cpu()
+            torch.testing.assert_close(got, w0 * decay ** (step + 1), rtol=0, atol=1e-6)
+        assert not torch.equal(res[rank]["params"][-1][0][:, 1:].cpu(), _model().state_dict()["0.weight"][:, 1:])
 
 
 def _args(root: str, name: str, extra=()) -> list[str]:
@@ -227,6 +248,15 @@ def test_refusals_name_the_reason_and_the_fix():
     s = parse_settings(base, 1)
     assert resolve_freeze_step(s.optim, s.training.train_iters) == 3  # 15% of 20 iterations
     assert resolve_freeze_step(parse_settings(base + ["--onebit-freeze-step", "7"], 1).optim, 20) == 7
+
+
+@pytest.mark.parametrize("iters", [7, 13, 19, 33, 61, 200])
+def test_default_freeze_step_is_the_nearest_whole_step_to_15_percent(iters):
+    """Without --onebit-freeze-step the warm-up is 15% of --train-iters rounded to the nearest step (at least one):
+    in integers, floor((15 n + 50) / 100). The counts avoid n = 10 mod 20, where 15 n / 100 ends in exactly .5 and
+    the tie rule would matter; 13 (1.95 -> 2), 19 (2.85 -> 3) and 33 (4.95 -> 5) tell rounding from truncation."""
+    cfg = OptimizerConfig(optimizer="onebit_adam")
+    assert resolve_freeze_step(cfg, iters) == max(1, (15 * iters + 50) // 100)
 
 
 LAYOUTS = {"pp2": ["--pipeline-model-parallel-size", "2"],

@@ -415,3 +415,15 @@ def test_failure_grace_defaults_to_the_heartbeats_and_a_bad_override_stops_befor
         with pytest.raises(ConfigError, match=f"{GRACE_ENV}='{bad}' is not a number of seconds"):
             workers.run_workers(settings, None, 2, None)
     assert started == []
+
+
+def test_timeout_is_the_flags_minutes_unless_the_environment_gives_seconds(monkeypatch):
+    """--distributed-timeout-minutes counts minutes (x 60 s); ``OMNITRON_DISTRIBUTED_TIMEOUT_S`` overrides it in
+    seconds. The heartbeat is a twelfth of the timeout within [0.2, 5] s."""
+    from omnitron.core.training.watchdog import TIMEOUT_ENV, distributed_timeout_s, heartbeat_interval
+
+    monkeypatch.delenv(TIMEOUT_ENV, raising=False)
+    assert distributed_timeout_s(10) == 600.0 and distributed_timeout_s(0.5) == 30.0
+    monkeypatch.setenv(TIMEOUT_ENV, "7.5")
+    assert distributed_timeout_s(10) == 7.5
+    assert [heartbeat_interval(t) for t in (1.0, 12.0, 36.0, 600.0)] == [0.2, 1.0, 3.0, 5.0]

@@ -82,6 +82,61 @@ def test_scores_and_order_against_a_plain_computation():
         assert fields["straggler_slowest_rank"] == by_time[0] and f"slowest rank {by_time[0]} " in line
 
 
+def test_ties_and_idle_ranks_follow_the_stated_rules():
+    """Equal compute times are named lower rank first among the slowest; ranks that computed nothing (a zero
+    median) all score 1.0, not 0 or a division by zero (straggler.py's rules, by hand)."""
+    rng = random.Random(time.time_ns())
+    for world in (3, 4, 6):
+        slow, fast = rng.uniform(50.0, 100.0), rng.uniform(1.0, 10.0)
+        tied = sorted(rng.sample(range(world), 2))
+        compute = [slow if r in tied else fast for r in range(world)]
+        table = {"compute": compute, "step": [200.0] * world, "forward": compute, "backward": [0.0] * world}
+        fields, _ = straggler_fields(table, 2)
+        assert fields["straggler_slowest_ranks"] == tied and fields["straggler_slowest_rank"] == tied[0]
+        idle = {k: [0.0] * world for k in table}
+        assert straggler_fields(idle, 1)[0]["straggler_scores"] == [1.0] * world
+
+
+def test_one_rank_report_is_the_mean_of_its_steps_since_the_last():
+    """A report gives each section's mean in ms per recorded step since the previous report: compute is forward
+    plus backward; a step that recorded no spans counts as zero compute (by hand, one process, fresh times)."""
+    from omnitron.core.training.straggler import StragglerDetector
+
+    rng = random.Random(time.time_ns())
+    det = StragglerDetector(world_size=1, collectives=None, device="cpu", minmax_count=1, host_clock_only=False,
+                            rank=0)
+    for _ in range(2):  # two reports: the second sees only its own steps
+        steps = [(rng.uniform(0.1, 0.2), {"forward": rng.uniform(0.01, 0.02), "backward": rng.uniform(0.02, 0.04)})
+                 for _ in range(rng.randint(2, 5))] + [(rng.uniform(0.1, 0.2), None)]
+        for step_s, sections in steps:
+            det.record(step_s, sections)
+        fields, _ = det.report()
+        n, spans = len(steps), [sec for _, sec in steps if sec]
+        for key, want in (("step", sum(t for t, _ in steps)), ("forward", sum(x["forward"] for x in spans)),
+                          ("backward", sum(x["backward"] for x in spans)),
+                          ("compute", sum(x["forward"] + x["backward"] for x in spans))):
+            assert fields[f"straggler_{key}_ranks_ms"] == pytest.approx([1e3 * want / n], rel=1e-12), key
+
+
+def test_log_line_step_range_and_the_host_clock_note(caplog):
+    """The line gives the ranks' step times as min-max; the host-clock note is logged once, by rank 0 only."""
+    import logging
+
+    from omnitron.core.training.straggler import StragglerDetector
+
+    rng = random.Random(time.time_ns())
+    steps = [rng.uniform(100.0, 200.0) for _ in range(4)]
+    table = {"compute": [1.0, 2.0, 3.0, 4.0], "step": steps, "forward": [0.0] * 4, "backward": [0.0] * 4}
+    assert f"| step {min(steps):.1f}-{max(steps):.1f} ms" in straggler_fields(table, 1)[1]
+    note = "compute spans time their launch on the host"
+    for rank, said in ((0, True), (1, False)):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="omnitron.train"):
+            StragglerDetector(world_size=2, collectives=None, device="cpu", minmax_count=1, host_clock_only=True,
+                              rank=rank)
+        assert (note in caplog.text) is said, rank
+
+
 def test_bad_count_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="--straggler-minmax-count must be >= 1"):
         parse_settings(_args(str(tmp_path), "--straggler-minmax-count", "0"), 1)
