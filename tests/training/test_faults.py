@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -427,3 +428,52 @@ def test_timeout_is_the_flags_minutes_unless_the_environment_gives_seconds(monke
     monkeypatch.setenv(TIMEOUT_ENV, "7.5")
     assert distributed_timeout_s(10) == 7.5
     assert [heartbeat_interval(t) for t in (1.0, 12.0, 36.0, 600.0)] == [0.2, 1.0, 3.0, 5.0]
+
+
+class _DictStore(dict):
+    """The store calls the watchdog makes, on a dict (one process; no server)."""
+
+    def set(self, k, v):
+        self[k] = v.encode() if isinstance(v, str) else v
+
+    def get(self, k):
+        return self[k]
+
+    def check(self, keys):
+        return all(k in self for k in keys)
+
+
+@pytest.mark.parametrize("peer_beats", [False, True])
+def test_a_peer_whose_heartbeat_counter_stops_is_named_frozen_between_steps(peer_beats):
+    """Outside any step deadline, rank 0 names its watched peer (rank 1) frozen once the peer's counter has not
+    moved for the timeout, though the key is still there to read; a peer whose counter moves is not named over
+    the same window. (A check that refreshed the peer's last-seen time on every successful read, not on a changed
+    value, would never fire here.)"""
+    from omnitron.core.training.watchdog import Watchdog
+
+    store, fired, stop = _DictStore({"hb/1": b"7", "info/1": b"pid 42 on host"}), [], threading.Event()
+
+    class Recorder(Watchdog):
+        def fire(self, reason, suspect=None, publish=True, kind="watchdog"):
+            fired.append((reason, suspect))
+
+    def beat():
+        n = 7
+        while not stop.wait(0.05):
+            n += 1
+            store.set("hb/1", str(n))
+
+    if peer_beats:
+        threading.Thread(target=beat, daemon=True).start()
+    timeout, interval = 1.0, 0.1
+    wd = Recorder(0, 2, timeout, lambda: store, interval_s=interval).start()
+    deadline = time.monotonic() + timeout + 20 * interval  # the verdict needs one read past the timeout
+    while not fired and time.monotonic() < deadline:
+        time.sleep(interval)
+    wd.stop()
+    stop.set()
+    if peer_beats:
+        assert fired == []
+    else:
+        assert fired and fired[0][1] == 1, fired
+        assert re.match(r"rank 1 \(pid 42 on host\) sent no heartbeat for \d+ s: it is frozen", fired[0][0])
