@@ -7,9 +7,15 @@
 // allocation stream waited for s, or the host synchronized it). Freed blocks are poisoned (0xff bytes,
 // NaN in every float type) so a kernel still reading one reads garbage.
 //
-// What CUDA leaves silent is found here: a block used by a kernel on another stream and freed without
-// record_stream, while the allocation stream is not ordered after that use, is reported by the next
-// sim call (a deleter cannot raise). Blocks are never split, so inactive split bytes are always 0.
+// What CUDA leaves silent is found here: a block used by a kernel on another stream t and freed without
+// record_stream, while its allocation stream a is not ordered after that use, is a hazard only once its bytes
+// are used again: a GPU's allocator may give them (split or merged, so to an allocation of any size) to the
+// next allocations on stream a. So every block allocated on stream a after such a free, until stream a is
+// ordered after t's use, carries that use into the race detector (race.cpp): a kernel touching the block that is
+// not ordered after it raises, naming the freed tensor and record_stream. A free followed by a.wait_stream(t)
+// before the next allocation (how FSDP2 keeps its reduce-scatter output, read by the optimizer on the default
+// stream, without record_stream) is safe, as on a GPU. Blocks are never split, so inactive split bytes are
+// always 0.
 // Memory a CPU kernel allocated for a result is adopted (sim::adopt) rather than copied: counted as
 // allocated and reserved while alive, checked on free like any block, but not cached.
 #include "sim.h"
@@ -22,7 +28,6 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
-#include <sstream>
 #include <unordered_map>
 #include <vector>
 
@@ -84,6 +89,14 @@ struct Pool {
 Pool g_pools[kMaxDevices];
 std::mutex g_use_mutex;
 
+// The unordered use of a freed block (by its latest point on the using stream): [device][allocation stream][user].
+struct Stale {
+  uint64_t point = 0;
+  const char* op = nullptr;
+  size_t size = 0;
+};
+Stale g_stale[kMaxDevices][kStreams][kStreams];  // under g_use_mutex
+
 uint64_t key(int stream, size_t size) { return (static_cast<uint64_t>(stream) << 48) | size; }
 
 bool held_ready(c10::DeviceIndex index, const Held& h) {
@@ -111,20 +124,30 @@ void* take_cached(c10::DeviceIndex index, int stream, size_t size) {
   return nullptr;
 }
 
-// A use on a stream other than the block's, neither recorded nor waited for: a reuse would race with it.
-std::string unsafe_use(const Block& b) {
-  if (!b.uses) return "";
+// Each use on a stream other than the block's, neither recorded nor waited for, is kept: the next allocations on
+// the block's stream may reuse its bytes (see the top of the file).
+void note_unsafe_uses(const Block& b) {
+  if (!b.uses) return;
+  std::lock_guard<std::mutex> lock(g_use_mutex);
   for (int t = 0; t < kStreams; ++t) {
     if (!b.uses[t] || (b.recorded >> t & 1) || ordered_after(b.index, b.stream, t, b.uses[t])) continue;
-    std::ostringstream os;
-    os << "sim: a tensor (" << b.size << " bytes, allocated on stream " << b.stream << " of sim:" << int(b.index)
-       << ") was freed while stream " << t << " may still be using it (" << (b.last_op ? b.last_op : "a kernel")
-       << " ran on it there); its memory would be reused by stream " << b.stream
-       << ": call tensor.record_stream(stream) after using it on another stream, or make stream " << b.stream
-       << " wait for that stream (wait_stream) before freeing it";
-    return os.str();
+    Stale& st = g_stale[b.index][b.stream][t];
+    if (b.uses[t] >= st.point) st = {b.uses[t], b.last_op ? b.last_op : "a kernel", b.size};
   }
-  return "";
+}
+
+// A block just allocated on ``b.stream``: it carries every stale use its stream is not yet ordered after.
+void carry_stale_uses(Block& b) {
+  std::lock_guard<std::mutex> lock(g_use_mutex);
+  for (int t = 0; t < kStreams; ++t) {
+    Stale& st = g_stale[b.index][b.stream][t];
+    if (!st.point) continue;
+    if (ordered_after(b.index, b.stream, t, st.point)) {
+      st = Stale();  // every later allocation on this stream is ordered after it
+      continue;
+    }
+    note_freed_use(&b.history, b.size, t, st.point, st.op, st.size, b.stream);
+  }
 }
 
 void cache_block(Block* b) {
@@ -144,11 +167,10 @@ void cache_block(Block* b) {
 
 void free_block(void* ctx) {
   auto* b = static_cast<Block*>(ctx);
-  std::string hazard = unsafe_use(*b);
+  note_unsafe_uses(*b);
   auto& c = g_mem[b->index];
   c.allocated.fetch_sub(static_cast<int64_t>(b->size));
-  if (!hazard.empty()) defer_error(hazard);
-  if (b->raw && hazard.empty()) {
+  if (b->raw) {
     cache_block(b);
   } else {
     c.reserved.fetch_sub(static_cast<int64_t>(b->size));
@@ -177,6 +199,7 @@ struct SimAllocator final : c10::Allocator {
     }
     add_bytes(index, static_cast<int64_t>(size), fresh);
     auto* b = new Block{size, index, stream, ptr, c10::DataPtr()};
+    carry_stale_uses(*b);
     return {ptr, b, &free_block, c10::Device(kSim, index)};
   }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
@@ -247,6 +270,7 @@ c10::DataPtr adopt(c10::DataPtr&& host, size_t nbytes, c10::DeviceIndex index) {
   add_bytes(index, static_cast<int64_t>(nbytes), true);
   int stream = static_cast<int>(current_stream(index).id());
   auto* b = new Block{nbytes, index, stream, nullptr, std::move(host)};
+  carry_stale_uses(*b);
   return {ptr, b, &free_block, c10::Device(kSim, index)};
 }
 

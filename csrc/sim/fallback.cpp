@@ -226,7 +226,10 @@ void sim_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit
       v = out;
     }
   }
-  if (call.kernel) call.kernel->commit();
+  if (call.kernel) {
+    call.kernel->check();  // its fresh results: memory allocated after an unsafe free may hold that tensor's bytes
+    call.kernel->commit();
+  }
 }
 
 }  // namespace

@@ -37,6 +37,8 @@ struct Record {
   const char* op;
   int stream;
   Use use;
+  size_t freed = 0;   // > 0: a use of a freed tensor of this many bytes whose memory this block may be
+  int freed_on = 0;   // that tensor's allocation stream
 };
 
 struct History {
@@ -86,9 +88,24 @@ std::string fix(int s, int t, const std::string& sn, const std::string& tn, cons
   return f;
 }
 
+// A kernel on stream ``s`` touches memory allocated after a tensor ``r`` names was freed while stream r.stream may
+// still have been using it: the caching allocator may have given this allocation that tensor's bytes.
+std::string freed_message(c10::DeviceIndex index, int s, const char* op, Use use, const Record& r) {
+  std::ostringstream os;
+  os << "sim: a tensor (" << r.freed << " bytes, allocated on stream " << r.freed_on << " of sim:" << int(index)
+     << ") was freed while " << stream_name(index, r.stream) << " may still be using it (" << r.op
+     << " ran on it there at its point " << r.point << "; no record_stream), and " << op << " " << verb(use) << " on "
+     << stream_name(index, s) << " memory allocated on stream " << r.freed_on
+     << " after that free (the caching allocator may have given it that tensor's bytes) with nothing ordering it "
+     << "after that use: call tensor.record_stream(stream) after using it on another stream, or make stream " << s
+     << " wait for stream " << r.stream << " (wait_stream) before using memory allocated after the free";
+  return os.str();
+}
+
 // ``[lo, hi)``: the access's bytes (the message names those both touch).
 std::string message(c10::DeviceIndex index, int s, const char* op, Use use, const Record& r, uint64_t lo, uint64_t hi,
                     size_t nbytes) {
+  if (r.freed) return freed_message(index, s, op, use, r);
   const char* kind = use == Use::read ? "read-after-write" : r.use == Use::write ? "write-after-write" : "write-after-read";
   std::string sn = stream_name(index, s), tn = stream_name(index, r.stream);
   std::string ss = "stream " + std::to_string(s), ts = "stream " + std::to_string(r.stream);  // short, for the fix
@@ -142,6 +159,15 @@ void name_comm_stream(c10::DeviceIndex index, int stream, const std::string& gro
   g_comm_names[index][stream - kFirstComm] = group;
 }
 
+void note_freed_use(History** slot, size_t nbytes, int stream, uint64_t point, const char* op, size_t freed,
+                    int freed_on) {
+  if (!slot || !nbytes) return;
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (!*slot) *slot = new History();
+  // a write: any access by a kernel not ordered after the stale use conflicts with it
+  (*slot)->records.push_back({0, nbytes, point, op, stream, Use::write, freed, freed_on});
+}
+
 void Kernel::use(const at::Tensor& t, Use u) {
   if (!t.defined() || !t.is_privateuseone() || !t.has_storage() || t.numel() == 0) return;
   History** slot = history_slot(t.storage());
@@ -153,10 +179,11 @@ void Kernel::use(const at::Tensor& t, Use u) {
 }
 
 void Kernel::check() {
-  if (accesses_.empty()) return;
+  if (checked_ == accesses_.size()) return;
   std::lock_guard<std::mutex> lock(g_mutex);
   std::optional<Clock> after;  // loaded at the first conflict candidate: most kernels never need it
-  for (const Access& a : accesses_) {
+  for (size_t i = checked_; i < accesses_.size(); ++i) {
+    const Access& a = accesses_[i];
     const History* h = *a.slot;
     if (!h) continue;
     for (const Record& r : h->records) {
@@ -166,6 +193,7 @@ void Kernel::check() {
       g_ordered.fetch_add(1, std::memory_order_relaxed);
     }
   }
+  checked_ = accesses_.size();
 }
 
 void Kernel::commit() {

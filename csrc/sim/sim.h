@@ -89,7 +89,9 @@ class Kernel {
   Kernel(c10::DeviceIndex index, int stream, uint64_t point, const char* op)
       : index_(index), stream_(stream), point_(point), op_(op) {}
   void use(const at::Tensor& t, Use u);
-  void check();   // raise (one line naming both kernels, both streams and the fix) on an unordered conflict
+  // raise (one line naming both kernels, both streams and the fix) on an unordered conflict; a second call checks
+  // only the accesses added since (a kernel's fresh results, known once it has run)
+  void check();
   void commit();  // record the accesses: later kernels are checked against them
   c10::DeviceIndex device() const { return index_; }
   uint64_t point() const { return point_; }
@@ -106,7 +108,14 @@ class Kernel {
   uint64_t point_;
   const char* op_;
   std::vector<Access> accesses_;
+  size_t checked_ = 0;
 };
+// A fresh block (``slot``, ``nbytes``) allocated on stream ``freed_on`` after a tensor of ``freed`` bytes
+// allocated there was freed while stream ``stream``'s kernel ``op`` at ``point`` may still have been using it: the
+// block may hold that tensor's bytes (a GPU's caching allocator splits and merges blocks), so a kernel touching it
+// must be ordered after that use.
+void note_freed_use(History** slot, size_t nbytes, int stream, uint64_t point, const char* op, size_t freed,
+                    int freed_on);
 
 // ---- memory (allocator.cpp) -----------------------------------------------------------
 struct MemoryStats {

@@ -245,15 +245,9 @@ def layouts_worker(layouts: dict) -> dict:
 
 
 def test_two_ranks_dp_distributed_optimizer_tp_pp_train_float64(start_and_want):
-    from omnitron.backends import get_backend
-
     weights, want = start_and_want
     layouts = {"dp2": [], "dp2_distopt": ["--use-distributed-optimizer"], "dp2_fsdp2": ["--use-torch-fsdp2"],
                "tp2": ["--tensor-model-parallel-size", "2"], "pp2": ["--pipeline-model-parallel-size", "2"]}
-    if get_backend().name == "sim":
-        # NOTE: FSDP2 + Adam on sim stops in any dtype (fp32 too): the reduce-scattered gradient, allocated on
-        # FSDP's stream, is read by the step on the default stream and freed without record_stream (sim's check)
-        del layouts["dp2_fsdp2"]
     per_rank = run_distributed(layouts_worker, 2, {**layouts, "weights": weights}, env=REFERENCE_KERNELS,
                                timeout_s=600)
     for name in layouts:

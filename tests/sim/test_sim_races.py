@@ -99,6 +99,28 @@ def slices(be, x, ref, sync):
     return x, want
 
 
+def reuse_after_free(be, x, ref, sync):
+    """FSDP2's reduce-scatter output: written on a side stream, read on the main stream after an event wait, freed
+    without record_stream. Safe when the side stream waits for the main stream before it uses memory allocated
+    after the free (FSDP2 does, instead of record_stream); without that wait a GPU's allocator may give the side
+    stream's next allocation the freed bytes while the main stream still reads them."""
+    side = be.Stream()
+    side.wait_stream(be.current_stream())
+    with be.stream(side):
+        g = x * 2  # allocated on the side stream
+        done = be.Event()
+        done.record(side)
+    done.wait(be.current_stream())
+    y = g + 1  # main stream: reads g
+    del g  # freed without g.record_stream(main)
+    if sync:
+        side.wait_stream(be.current_stream())
+    with be.stream(side):
+        h = x * 3  # a fresh block on the side stream: the freed bytes, on a GPU
+    _join(be, side)
+    return y + h, ref * 2 + 1 + ref * 3
+
+
 def all_reduce_read_early(be, x, sync, others):
     """An async all-reduce's output read on the current stream before ``work.wait()``."""
     work = be.collectives.all_reduce(x, async_op=True)
@@ -144,7 +166,7 @@ def gather_input_overwritten(be, x, sync, others):
 
 LOCAL = {"cross_stream_read": cross_stream_read, "missing_event_wait": missing_event_wait, "host_item": host_read,
          "host_cpu": lambda be, x, ref, sync: host_read(be, x, ref, sync, read="cpu"), "war": overwrite_while_read,
-         "slices": slices}
+         "slices": slices, "reuse_after_free": reuse_after_free}
 COLLECTIVE = {"all_reduce_read_early": all_reduce_read_early, "all_reduce_other_stream": all_reduce_other_stream,
               "gather_input_overwritten": gather_input_overwritten}
 
@@ -192,6 +214,8 @@ EXPECTED = {
             "record_stream("],
     # main's in-place add on a slice reaches the device as aten::add with out=: its read of self is checked first
     "slices": ["race (read-after-write)", "aten::add reads", "aten::add wrote", "bytes [8192, 8448)"],
+    "reuse_after_free": ["was freed while stream 0 (the default stream) may still be using it",
+                         "aten::add ran on it", "aten::mul writes on stream", "record_stream(", "wait_stream"],
     "all_reduce_read_early": ["all_reduce", "before its work.wait()"],  # the in-flight check, before the detector
     "all_reduce_other_stream": ["race (read-after-write)", "aten::mul",
                                 "all_reduce wrote it on the communicator stream",

@@ -24,7 +24,9 @@ Streams (``streams=True``), in the sense modelled here (csrc/sim/stream.cpp):
   strided views (``x[0::2]``, ``x[1::2]``) overlap in extent and are reported.
 - *Stream-ordered caching allocator.* A freed block goes back to its allocation stream's cache,
   poisoned (0xff: NaN); ``record_stream`` holds it until that stream passes the free. A block used on
-  another stream and freed without ``record_stream`` or a wait is an error raised by the next sim call.
+  another stream and freed without ``record_stream`` or a wait hands that use to every block its
+  allocation stream allocates next (a GPU's allocator may give them its bytes, split or merged), until that
+  stream waits for the use: a kernel touching such a block unordered after it raises (the race detector).
   Blocks are never split (inactive split bytes are 0); memory a CPU kernel allocated for a result is
   adopted, counted, checked, not cached.
 - *Asynchronous copies.* A ``non_blocking`` device-to-host copy into pinned memory lands after
