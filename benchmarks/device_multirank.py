@@ -41,6 +41,12 @@ LAYOUTS = {  # name: (processes, flags over the config)
 }
 
 
+def warmup_iters(iters: int) -> int:
+    """Two warm-up iterations, fewer in a shorter run (the warm-up must end before the decay, as Megatron's
+    scheduler asserts; the decay spans ``--train-iters``)."""
+    return max(0, min(2, iters - 1))
+
+
 def train(backend: str, procs: int, flags: list[str], iters: int, workdir: str, tag: str,
           timeout_s: float = 120.0) -> tuple[list[float], float]:
     """Run one training in ``workdir/tag``; returns (losses per iteration, seconds). A launch that fails or
@@ -55,7 +61,7 @@ def train(backend: str, procs: int, flags: list[str], iters: int, workdir: str, 
     cmd = [sys.executable, "-m", "omnitron", "train", "--config", CONFIG, "--backend", backend,
            "--nproc-per-node", str(procs), "--train-iters", str(iters), "--log-interval", "1",
            "--eval-interval", "0", "--log-dir", log_dir, "--save", os.path.join(workdir, f"ckpt-{tag}"),
-           "--lr-warmup-iters", "2", "--threads-per-process", "1", *flags]
+           "--lr-warmup-iters", str(warmup_iters(iters)), "--threads-per-process", "1", *flags]
     t0 = time.perf_counter()
     # its own process group, so a launch past the timeout is ended with every rank it started
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -117,6 +117,6 @@ def test_multirank_driver_layouts_parse():
     add_arguments(parser)
     for name, (procs, flags) in device_multirank.LAYOUTS.items():
         argv = ["--config", os.path.join(ROOT, device_multirank.CONFIG), "--nproc-per-node", str(procs),
-                "--train-iters", "2", *flags]
+                "--train-iters", "2", "--lr-warmup-iters", str(device_multirank.warmup_iters(2)), *flags]
         settings = build_settings(merge_settings(vars(parser.parse_args(argv))))
         assert settings is not None, name

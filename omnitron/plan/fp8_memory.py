@@ -92,8 +92,8 @@ import math
 import torch
 
 from omnitron.core.parallel.pipeline.schedules import schedule_style
-from omnitron.plan.fp8_passes import (SCALE, blockwise_backward, blockwise_forward, blockwise_wgrad, own_scale,
-                                     per_tensor_backward, per_tensor_forward, per_tensor_wgrad)
+from omnitron.plan.fp8_passes import (SCALE, blockwise_backward, blockwise_forward, blockwise_wgrad, gemm_bias,
+                                     own_scale, per_tensor_backward, per_tensor_forward, per_tensor_wgrad)
 from omnitron.plan.stage_layers import wide_layers
 from omnitron.plan.state import skeleton
 from omnitron.plan.transients import DECODER as _DECODER, LINEAR, W_START, probe_recomputed
@@ -307,7 +307,7 @@ def chunk_linears(settings, cfg, pp_rank: int) -> dict[int, dict[tuple[int, str]
     (per-tensor: ``(e - 1) x in x tokens - 4``, the :func:`saved_less` of a linear reading its own input; block-wise:
     0); ``saved``: the bytes of that saved input and its scale (``in x tokens + 4``, delayed without the 4; block-wise:
     0, it saves the wide input); ``tokens``: the rows its GEMMs see (the micro-batch's whole sequence over cp);
-    ``bias``: whether its GEMM gets one (:func:`gemm_bias`; added after the FP8 GEMM, its gradient made in the
+    ``bias``: whether its GEMM gets one (``fp8_passes.gemm_bias``; added after the FP8 GEMM, its gradient made in the
     backward: :func:`~.fp8_passes.bias_add`, :func:`~.fp8_passes.bias_grad`). A chunk
     with MoE layers is probed with every layer MoE: each of its FP8 layers gets the probe's experts'
     (:func:`omnitron.plan.fp8_moe.probe_experts`). Empty without ``--fp8-format``."""
@@ -342,17 +342,6 @@ def chunk_linears(settings, cfg, pp_rank: int) -> dict[int, dict[tuple[int, str]
             has_bias = gemm_bias(m)
             out[c][(len(flags) - 1 - i, name[d.end():])] = (o, k, was - saved if saved else 0, saved, t, has_bias)
     return out
-
-
-def gemm_bias(m) -> bool:
-    """Whether linear module ``m`` hands its bias to its GEMM (the FP8 executor then adds it after the GEMM and makes
-    its gradient): not where ``skip_bias_add`` returns it to a fused op (bias-dropout-add, bias-activation), nor where
-    a row-parallel linear over more than one rank adds it after the reduction (``tensor/layers.py``)."""
-    from omnitron.core.parallel.tensor.layers import RowParallelLinear
-
-    if getattr(m, "bias", None) is None or getattr(m, "skip_bias_add", False):
-        return False
-    return not isinstance(m, RowParallelLinear) or m.group.size == 1
 
 
 def linear_peak(settings, cfg, kind: str, out: int, inp: int, native: bool, t: float | None = None,

@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import replace
 from types import SimpleNamespace
 
-from omnitron.plan.fp8_passes import own_scale
+from omnitron.plan.fp8_passes import gemm_bias, own_scale
 from omnitron.plan.transients import ROUTED
 
 SHARED = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
@@ -77,10 +77,9 @@ def probe_experts(settings, cfg, layer) -> dict[str, tuple[int, int, float, floa
     over its ``E'`` experts with no ep, does not see), the shared expert's ``T``. Saved inputs as the probe holds
     them: the ``E'`` experts' fc1 and fc2 at ``T k / E'`` rows each, the shared expert's at ``T``; the probe runs
     without SP, so a router in the model's dtype keeps the shared fc1's input (its ``saved less`` is then the FP8
-    copy's bytes, negative); ``bias``: whether the GEMM gets one (:func:`~omnitron.plan.fp8_memory.gemm_bias`)."""
+    copy's bytes, negative); ``bias``: whether the GEMM gets one (:func:`~omnitron.plan.fp8_passes.gemm_bias`)."""
     from omnitron.core.precision.fp8.enable import linear_modules
     from omnitron.core.transformer.moe.router import keeps_input
-    from omnitron.plan.fp8_memory import gemm_bias
     from omnitron.plan.moe import moe_local
     from omnitron.plan.moe_activations import probe_num_experts
 

@@ -186,3 +186,12 @@ def blockwise_forward(t: int, out: int, inp: int, e: int, native: bool, bias: bo
     return max(p, q + (0 if native else _block_mm(t, inp, out)) + y, q + y + bias_add(y, bias))
 
 
+def gemm_bias(m) -> bool:
+    """Whether linear module ``m`` hands its bias to its GEMM (the FP8 executor then adds it after the GEMM and makes
+    its gradient): not where ``skip_bias_add`` returns it to a fused op (bias-dropout-add, bias-activation), nor where
+    a row-parallel linear over more than one rank adds it after the reduction (``tensor/layers.py``)."""
+    from omnitron.core.parallel.tensor.layers import RowParallelLinear
+
+    if getattr(m, "bias", None) is None or getattr(m, "skip_bias_add", False):
+        return False
+    return not isinstance(m, RowParallelLinear) or m.group.size == 1
