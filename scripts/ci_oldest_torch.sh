@@ -81,8 +81,8 @@ fi
 echo "oldest supported torch $torch: subset ok ($counts; $(minutes $t1))"
 t2=$(date +%s)
 (cd "$tree" && PYTHONPATH="$tree" timeout 900 "$venv/bin/omnitron" train --config examples/moby_dick_tp2_pp2.yaml \
-  --train-iters 20 --log-interval 10 --eval-interval 20 --eval-iters 2 --save "$dir/main_job" --sample-tokens 8 \
-  --no-tensorboard) >>"$log" 2>&1
+  --train-iters 20 --lr-warmup-iters 2 --log-interval 10 --eval-interval 20 --eval-iters 2 --save "$dir/main_job" \
+  --sample-tokens 8 --no-tensorboard) >>"$log" 2>&1
 rc=$?
 if [ $rc -ne 0 ]; then
   show 60

@@ -69,7 +69,7 @@ if "$PY" -m omnitron train --help >/dev/null 2>&1; then
   NDEV=$("$PY" -c "import torch, torch_musa; print(min(2, torch.musa.device_count()))" || echo 1)
   step train "$PY" -m omnitron train --config examples/moby_dick_tp2_pp2.yaml --backend musa \
     --nproc-per-node "$NDEV" --tensor-model-parallel-size "$NDEV" --pipeline-model-parallel-size 1 \
-    --train-iters 5 --log-interval 1 --eval-interval 1000 --save "$LOG_DIR/train_ckpt"
+    --train-iters 5 --lr-warmup-iters 1 --log-interval 1 --eval-interval 1000 --save "$LOG_DIR/train_ckpt"
 else
   ROWS+=("$(printf '%-14s %-8s' train 'skipped (no `omnitron train` in this checkout)')")
 fi
