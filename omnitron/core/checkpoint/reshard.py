@@ -150,6 +150,27 @@ def recorded_family(meta: dict, path: str = "the checkpoint") -> str | None:
     return name
 
 
+RUNTIME_ONLY = ("recompute_granularity", "recompute_method", "recompute_num_layers", "cpu_offloading",
+                "cpu_offloading_num_layers", "fine_grained_activation_offloading", "offload_modules",
+                "min_offloaded_tensor_size", "cpu_offloading_activations", "cpu_offloading_weights",
+                "cpu_offloading_retain_pinned_cpu_buffers", "moe_shared_expert_overlap")
+"""Model settings a checkpoint records but that change no tensor and that a resume sets again from its own flags
+(recomputation, activation offloading, the shared expert's overlap): convert has no flags for them."""
+
+
+def layout_only(cfg):
+    """``cfg`` with :data:`RUNTIME_ONLY` at their defaults: the target is checked for what its layout needs (heads,
+    query groups, the MLP and the experts over tp / ep, the layers over pp), not for how the recorded run executed
+    (``checkpoint convert`` refused ``--cpu-offloading-num-layers 1`` at pp2, a flag it has not)."""
+    from dataclasses import MISSING, fields, replace
+
+    reset = {}
+    for f in fields(cfg):
+        if f.name in RUNTIME_ONLY:
+            reset[f.name] = f.default_factory() if f.default is MISSING else f.default
+    return replace(cfg, **reset)
+
+
 def skeleton_chunks(cfg, layout: Layout, ep_rank: int = 0, etp: int = 1) -> dict[tuple[int, int], torch.nn.Module]:
     """``{(pp_rank, chunk): GPTModel}`` for tensor-parallel rank 0 (and expert-parallel rank
     ``ep_rank``) of ``layout``, built in this process without communication: their parameters
@@ -158,6 +179,7 @@ def skeleton_chunks(cfg, layout: Layout, ep_rank: int = 0, etp: int = 1) -> dict
     from omnitron.core.models.family import family_of
     from omnitron.core.parallel.pipeline.layout import config_layer_ranges
 
+    cfg = layout_only(cfg)  # the shapes only: a recorded run's offloading / recomputation do not refuse a layout
     groups = ParallelGroups.single()
     groups.config = layout.parallel_config()
     groups.groups.update(tp=_Seen("tp", tuple(range(layout.tp)), None), pp=_Seen("pp", tuple(range(layout.pp)), None),
