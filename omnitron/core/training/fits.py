@@ -11,6 +11,7 @@ refused; a run near the limit is left to train (and to the memory planner, ``omn
 from __future__ import annotations
 
 import logging
+import os
 
 from omnitron.core.config.parallel import ConfigError
 
@@ -36,15 +37,21 @@ def check_fits(settings, backend) -> None:
     """ConfigError when one rank's parameters, gradients and optimizer state alone exceed the total memory of the
     backend's device (``capabilities().memory_total``, the fact the launcher already asked for: no device memory is
     touched; no check where the device cannot say, nor for a model family the count cannot build on the meta
-    device: the run then meets its limits as before)."""
+    device: the run then meets its limits as before, and the reason is logged as a warning).
+
+    Under torchrun only local rank 0 counts and refuses (the count is seconds for a 70B model, the same on every
+    rank of a node, and each would print the line): the node's other ranks go on to the process group's start,
+    and torchrun stops them when local rank 0 exits."""
+    if "RANK" in os.environ and int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return
     total = backend.capabilities().memory_total
     if not total:
         return
     try:
         need, stage = state_peak(settings)
     except Exception as err:  # noqa: BLE001  a family's own build, off the meta device: no count, no refusal
-        log.info("the model's state bytes could not be counted before the build (%s); not checked against the "
-                 "device's memory", err)
+        log.warning("the model's state bytes could not be counted before the build (%s: %s); not checked against "
+                    "the device's memory", type(err).__name__, err)
         return
     if need <= total:
         return
