@@ -59,10 +59,27 @@ def skeleton(model_cfg, parallel, pp_rank: int, style: str = "loop") -> list[tor
     if key not in _SKELETON:  # every stage's chunks are built at once: kept for the next ranks and layouts
         if len(_SKELETON) >= 8:
             _SKELETON.pop(next(iter(_SKELETON)))
-        with torch.device("meta"):
+        with _CheapMeta(), torch.device("meta"):
             _SKELETON[key] = skeleton_chunks(model_cfg, layout, etp=etp)
     chunks = _SKELETON[key]
     return [m for (r, _), m in sorted(chunks.items()) if r == pp_rank or layout.pp == 1]
+
+
+class _CheapMeta(torch.overrides.TorchFunctionMode):
+    """The two ops of a model build whose meta versions are Python references that import the compiler stack
+    (dynamo, sympy) on first use, 1.5-3 s of every rank's fit check: ``normal_`` on a meta tensor returns it
+    untouched (it has no values), ``arange`` (the rotary frequencies' maths) is made on the host and left there
+    (buffers that are no parameter: not counted)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") == "normal_":  # Tensor.normal_ and torch.nn.init.normal_
+            t = args[0] if args else kwargs.get("tensor")
+            if isinstance(t, torch.Tensor) and t.is_meta:
+                return t
+        if func is torch.arange and torch.device(kwargs.get("device") or "cpu").type == "meta":
+            return func(*args, **{**kwargs, "device": "cpu"})
+        return func(*args, **kwargs)
 
 
 _SKELETON: dict = {}

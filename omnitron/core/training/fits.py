@@ -11,7 +11,6 @@ refused; a run near the limit is left to train (and to the memory planner, ``omn
 from __future__ import annotations
 
 import logging
-import os
 
 from omnitron.core.config.parallel import ConfigError
 
@@ -39,11 +38,9 @@ def check_fits(settings, backend) -> None:
     touched; no check where the device cannot say, nor for a model family the count cannot build on the meta
     device: the run then meets its limits as before, and the reason is logged as a warning).
 
-    Under torchrun only local rank 0 counts and refuses (the count is seconds for a 70B model, the same on every
-    rank of a node, and each would print the line): the node's other ranks go on to the process group's start,
-    and torchrun stops them when local rank 0 exits."""
-    if "RANK" in os.environ and int(os.environ.get("LOCAL_RANK", "0")) != 0:
-        return
+    Every rank counts (under torchrun too: a rank that skipped it would wait in the process group's start for
+    a refused local rank 0, and ignore torchrun's first SIGTERM there: 30 s, then SIGKILL); the count takes well
+    under a second for a 70B model (the meta build skips weight initialisation)."""
     total = backend.capabilities().memory_total
     if not total:
         return
