@@ -134,7 +134,7 @@ def _target_layout(args: argparse.Namespace, cfg):
     flag when they do not fit), checked as a training run's layout and model are, before anything is read: a
     checkpoint written in a layout no run can have is refused by every reader, and a target the model does not
     split over (heads, query groups or the MLP over tp) fails the conversion."""
-    from omnitron.core.checkpoint.reshard import Layout
+    from omnitron.core.checkpoint.reshard import Layout, layout_only
     from omnitron.core.config.parallel import ConfigError
     from omnitron.core.models.family import family_of
     from omnitron.core.models.gpt.validate import validate_model
@@ -160,9 +160,10 @@ def _target_layout(args: argparse.Namespace, cfg):
                         ep=args.target_expert_model_parallel_size, first=first, last=last, embedding=embedding,
                         loss=loss)
         parallel = layout.parallel_config()  # the training rules for the whole grid
-        if family_of(cfg).validate is not None:  # the model's rules at that grid, as a run's settings check them
-            family_of(cfg).validate(cfg, parallel)
-        validate_model(cfg, parallel, check_layers=not parallel.uneven_pipeline)
+        shape = layout_only(cfg)  # what the target needs, not how the recorded run executed
+        if family_of(shape).validate is not None:  # the model's rules at that grid, as a run's settings check them
+            family_of(shape).validate(shape, parallel)
+        validate_model(shape, parallel, check_layers=not parallel.uneven_pipeline)
     except ConfigError as err:
         raise ConfigError(re.sub(r"--(?=pipeline-model|num-layers-per|num-virtual|decoder-|account-for|tensor-model|"
                                  r"data-parallel|expert-model)", "--target-", str(err))) from None

@@ -11,13 +11,16 @@ multiple of the replica group) and the tied embedding's isolated bucket are the 
   like the gradient buckets, so the padded size counts.
 - gradients: the ``main_grad`` buffers (fp32 with ``--accumulate-allreduce-grads-in-fp32``,
   which ``--bf16`` implies; else the parameter's dtype).
-- optimizer: fp32 masters for non-fp32 parameters (bf16 ones' as int16 remainders with ``store_param_remainders``,
+- optimizer: fp32 masters for bf16 / fp16 parameters (bf16 ones' as int16 remainders with ``store_param_remainders``,
   Megatron's precision-aware optimizer under --bf16) plus Adam's two moments (fp32, or --exp-avg-dtype /
   --exp-avg-sq-dtype's bf16 / fp16, an fp16 one with an fp32 scale per tensor) (SGD: one with momentum; Muon:
   one, its momentum, for the matrices it orthogonalises); with ``--use-distributed-optimizer`` only the slices
   this data x context rank owns of every bucket (the largest over the replica group's ranks is reported).
-- ``--use-torch-fsdp2``: every parameter, its gradient and its moments are fp32 shards of ceil(rows / (dp x
-  cp)) rows (FSDP2's dim-0 sharding, padded storage; the shards are the masters: no second copy). FSDP2's
+  A float64 parameter is its own master and its gradient and fp32-named moments are float64 (the optimizer's
+  ``master_dtype`` / ``keeps_master``: a float64 run stays float64).
+- ``--use-torch-fsdp2``: every parameter, its gradient and its moments are fp32 (float64 for a float64 model)
+  shards of ceil(rows / (dp x cp)) rows (FSDP2's dim-0 sharding, padded storage; the shards are the masters: no
+  second copy). FSDP2's
   transients inside a step (all-gathered layers, gradients accumulated unsharded before the step's
   reduce-scatter) are not in these counts (``BENCHMARKS.md`` measures them).
 """
@@ -56,10 +59,27 @@ def skeleton(model_cfg, parallel, pp_rank: int, style: str = "loop") -> list[tor
     if key not in _SKELETON:  # every stage's chunks are built at once: kept for the next ranks and layouts
         if len(_SKELETON) >= 8:
             _SKELETON.pop(next(iter(_SKELETON)))
-        with torch.device("meta"):
+        with _CheapMeta(), torch.device("meta"):
             _SKELETON[key] = skeleton_chunks(model_cfg, layout, etp=etp)
     chunks = _SKELETON[key]
     return [m for (r, _), m in sorted(chunks.items()) if r == pp_rank or layout.pp == 1]
+
+
+class _CheapMeta(torch.overrides.TorchFunctionMode):
+    """The two ops of a model build whose meta versions are Python references that import the compiler stack
+    (dynamo, sympy) on first use, 1.5-3 s of every rank's fit check: ``normal_`` on a meta tensor returns it
+    untouched (it has no values), ``arange`` (the rotary frequencies' maths) is made on the host and left there
+    (buffers that are no parameter: not counted)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") == "normal_":  # Tensor.normal_ and torch.nn.init.normal_
+            t = args[0] if args else kwargs.get("tensor")
+            if isinstance(t, torch.Tensor) and t.is_meta:
+                return t
+        if func is torch.arange and torch.device(kwargs.get("device") or "cpu").type == "meta":
+            return func(*args, **{**kwargs, "device": "cpu"})
+        return func(*args, **kwargs)
 
 
 _SKELETON: dict = {}
@@ -87,7 +107,8 @@ def _buffers(module, ddp, dp_cp: int, edp: int):
     by: dict[tuple, list] = {}
     for p in [p for p in module.parameters() if p.requires_grad][::-1]:
         ex = bool(getattr(p, "expert", False))
-        by.setdefault((torch.float32 if fp32 else p.dtype, ex, p.dtype if dist else None), []).append(p)
+        wide = torch.promote_types(p.dtype, torch.float32) if fp32 else p.dtype  # float64 stays float64
+        by.setdefault((wide, ex, p.dtype if dist else None), []).append(p)
     scatter = dist or bool(ddp and ddp.reduce_scatter)
     shared = getattr(module, "shared_embedding_parameters", None)
     isolate = frozenset(id(p) for p in shared()) if scatter and shared is not None else frozenset()
@@ -142,14 +163,20 @@ def _moments(optim, p=None) -> int:
     return 1 if optim.sgd_momentum else 0
 
 
-def moment_bytes(optim, p=None) -> int:
-    """Bytes of optimizer buffers per element of parameter ``p``: :func:`_moments`' fp32 words, but Adam's two
-    moments in --exp-avg-dtype / --exp-avg-sq-dtype (2 bytes each in bf16: the precision-aware optimizer)."""
+def moment_bytes(optim, p=None, dtype: torch.dtype | None = None) -> int:
+    """Bytes of optimizer buffers per element of parameter ``p`` (or of a ``dtype`` one; default fp32):
+    :func:`_moments`' words in the master's dtype (fp32; float64 for a float64 parameter), but Adam's two moments
+    in --exp-avg-dtype / --exp-avg-sq-dtype (2 bytes each in bf16: the precision-aware optimizer)."""
+    from omnitron.core.optim.optimizer import master_dtype
+
+    dtype = dtype or (p.dtype if p is not None else torch.float32)
+    word = master_dtype(dtype).itemsize
     if optim.optimizer in ("adam", "adamw"):
         from omnitron.core.optim.moments import MOMENT_DTYPES
 
-        return MOMENT_DTYPES[optim.exp_avg_dtype].itemsize + MOMENT_DTYPES[optim.exp_avg_sq_dtype].itemsize
-    return 4 * _moments(optim, p)
+        return sum(word if name == "fp32" else MOMENT_DTYPES[name].itemsize
+                   for name in (optim.exp_avg_dtype, optim.exp_avg_sq_dtype))
+    return word * _moments(optim, p)
 
 
 def least_moment_bytes(optim) -> int:
@@ -166,16 +193,19 @@ def scale_bytes(optim) -> int:
 
 
 def master_bytes(optim, dtype: torch.dtype) -> int:
-    """Bytes of a parameter of ``dtype``'s master per element: none for fp32 (its own master), 2 for a bf16 one
-    kept as its int16 remainder (``store_param_remainders``), else an fp32 copy."""
-    if dtype == torch.float32:
+    """Bytes of a parameter of ``dtype``'s master per element: none for fp32 or float64 (their own masters:
+    ``keeps_master``), 2 for a bf16 one kept as its int16 remainder (``store_param_remainders``), else an fp32
+    copy."""
+    from omnitron.core.optim.optimizer import keeps_master
+
+    if not keeps_master(dtype):
         return 0
     return 2 if optim.store_param_remainders and dtype == torch.bfloat16 else 4
 
 
 def _opt_bytes(numel: int, dtype: torch.dtype, optim) -> int:
-    """Masters (non-fp32 parameters) plus the optimizer's moments for ``numel`` elements."""
-    return numel * (moment_bytes(optim) + master_bytes(optim, dtype))
+    """Masters (bf16 / fp16 parameters) plus the optimizer's moments for ``numel`` elements of ``dtype``."""
+    return numel * (moment_bytes(optim, dtype=dtype) + master_bytes(optim, dtype))
 
 
 def expert_data_parallel_size(settings) -> int:
@@ -229,7 +259,9 @@ def _state_bytes(settings, model_cfg, pp_rank: int) -> StateBytes:
 
 
 def _fsdp2_bytes(chunks, dp_cp: int, optim) -> StateBytes:
-    """FSDP2's fp32 shards (rank 0's, the largest: ceil(rows / dp_cp) rows of every parameter)."""
-    n = sum(math.ceil(p.shape[0] / dp_cp) * math.prod(p.shape[1:]) for m in chunks for p in m.parameters()
-            if p.requires_grad)
-    return StateBytes(4 * n, 4 * n, _opt_bytes(n, torch.float32, optim))
+    """FSDP2's shards (rank 0's, the largest: ceil(rows / dp_cp) rows of every parameter), fp32, or float64 for a
+    float64 model (``apply_fsdp2`` keeps it float64)."""
+    params = [p for m in chunks for p in m.parameters() if p.requires_grad]
+    n = sum(math.ceil(p.shape[0] / dp_cp) * math.prod(p.shape[1:]) for p in params)
+    dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+    return StateBytes(dtype.itemsize * n, dtype.itemsize * n, _opt_bytes(n, dtype, optim))

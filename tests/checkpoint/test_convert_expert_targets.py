@@ -93,3 +93,30 @@ def test_fitting_target_writes_the_experts_whole(source, tp, ep, dp, fmt, tmp_pa
     for n, t in W.items():
         assert torch.equal(full.model[n], t), n
     assert main(["checkpoint", "inspect", str(tmp_path / "out")]) == 0  # readable by the other commands
+
+
+RUN_ONLY = {"offload": dict(cpu_offloading_num_layers=1),
+            "recompute": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+            "offload_moe": dict(cpu_offloading_num_layers=1, moe_shared_expert_overlap=True, **MOE,
+                                moe_shared_expert_intermediate_size=16)}
+
+
+@pytest.mark.parametrize("name", sorted(RUN_ONLY))
+def test_runtime_settings_do_not_refuse_a_target(name, tmp_path, capsys):
+    """A checkpoint records how its run executed (activation offloading, recomputation, the shared expert's
+    overlap); convert has no flags for them and a resume sets them again, so a layout the model splits over is
+    written (``--cpu-offloading-num-layers 1`` was refused at pp2: rc 2), bit for bit, and a layout it does not
+    split over is still refused naming the --target- flag."""
+    cfg = _cfg(**RUN_ONLY[name])
+    W = _weights(cfg, int.from_bytes(os.urandom(4), "little"))
+    src = write_weights_checkpoint(W, cfg, str(tmp_path / "src"), Layout())
+    assert main(["checkpoint", "convert", "--load", src, "--save", str(tmp_path / "out"),
+                 "--target-tensor-model-parallel-size", "2", "--target-pipeline-model-parallel-size", "2"]) == 0, \
+        capsys.readouterr().err
+    full = read_full_state(str(tmp_path / "out" / "iter_0000000"))
+    assert Layout.from_dict(full.meta["layout"]) == Layout(tp=2, pp=2)
+    assert all(torch.equal(full.model[n], t) for n, t in W.items()) and sorted(full.model) == sorted(W)
+    capsys.readouterr()
+    assert _convert(src, tmp_path / "bad", 3) == 2  # 4 heads over tp 3
+    err = capsys.readouterr().err.strip()
+    assert "--target-tensor-model-parallel-size 3" in err and len(err.splitlines()) == 1, err

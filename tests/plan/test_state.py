@@ -157,3 +157,50 @@ def test_the_searchs_state_bound_is_below_every_layouts_state(name, pp, tmp_path
     s = parse_settings(_args(str(tmp_path), 1, pp, BOUND[name]), pp)
     most = max(st.params + st.grads + st.optimizer for st in (state_bytes(s, model_config(s), r) for r in range(pp)))
     assert state_lower_bound(s) <= most
+
+
+def held(args: list[str], world: int, float64: bool = False) -> tuple[int, tuple[int, int, int], tuple]:
+    """(pipeline rank, measured bytes, predicted bytes) of this rank's built components (a float64 model with
+    ``float64``): parameters (every local tensor's storage: FSDP2's shards are DTensors), gradient buffers
+    (``main_grad``; FSDP2, which has none before a backward: its gradient shards, as large as the parameter
+    shards) and ``optimizer.state_bytes()``, against :func:`state_bytes` on the same settings."""
+    import dataclasses
+
+    import torch
+
+    from omnitron.backends import get_backend
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.components import build_components
+    from omnitron.plan.memory import model_config
+    from omnitron.plan.state import state_bytes
+
+    s = parse_settings(args, world)
+    if float64:
+        s = dataclasses.replace(s, model=dataclasses.replace(s.model, params_dtype=torch.float64))
+    c = build_components(s, get_backend())
+    local = [getattr(p, "_local_tensor", p) for m in c.modules for p in m.parameters()]
+    assert not float64 or all(t.dtype == torch.float64 for t in local)
+    params = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in local}.values())
+    buffers = [b for ch in c.chunks if isinstance(getattr(ch, "buffers", None), list) for b in ch.buffers]
+    grads = sum(b.data.numel() * b.data.element_size() for b in buffers)
+    if not buffers:  # FSDP2: a gradient shard per parameter, as large as its parameter shard
+        grads = params
+    st = state_bytes(s, model_config(s), c.groups.pp.rank)
+    return c.groups.pp.rank, (params, grads, c.optimizer.state_bytes()), (st.params, st.grads, st.optimizer)
+
+
+F64 = {"one": (1, []), "sgd": (1, ["--optimizer", "sgd"]),
+       "fp32_accumulation": (1, ["--accumulate-allreduce-grads-in-fp32"]),
+       "dp2_distopt": (2, ["--use-distributed-optimizer", "--ddp-bucket-size", "1000", "--global-batch-size", "2"]),
+       "dp2_fsdp2": (2, ["--use-torch-fsdp2", "--global-batch-size", "2"])}
+
+
+@pytest.mark.parametrize("name", list(F64))
+def test_float64_model_exact(name, tmp_path):
+    """A float64 parameter is its own master, its gradient and moments float64: the count equals what the built
+    float64 run holds (it counted fp32 masters and moments and fp32 FSDP2 shards: 28 bytes a parameter for the
+    32 Adam holds). Exact: integer byte counts; the distributed optimizer's largest slice over the ranks."""
+    world, extra = F64[name]
+    results = run_distributed(held, world, _args(str(tmp_path), 1, 1, extra), world, True)
+    real = tuple(max(r[1][i] for r in results) for i in range(3))
+    assert results[0][2] == real

@@ -206,3 +206,23 @@ def test_a_warmup_ending_with_the_decay_names_both_lengths():
     assert parse_settings(BASE + ["--lr-warmup-iters", "3", "--lr-decay-style", "WSD", "--lr-wsd-decay-iters",
                                   "0"], 1).optim.lr_wsd_decay_iters == 0
     assert parse_settings(BASE + ["--skip-train", "--eval-iters", "1", "--lr-warmup-iters", "9"], 1)
+
+
+def test_wsd_refusal_gives_the_old_default():
+    """A WSD run begun before the refusal, without --lr-wsd-decay-iters / -samples, decayed over a tenth of the
+    span after the warm-up (at least 1): the refusal prints that length as the flag to resume with (the old
+    default, ``max((decay - warmup) // 10, 1)``, written here from the removed code's formula)."""
+    rng = random.Random()
+    for _ in range(6):
+        unit = rng.choice(["iters", "samples"])
+        total = rng.randint(8, 400)
+        warmup = rng.randint(0, total - 1)
+        decay = rng.choice([None, rng.randint(warmup + 1, total + 50)])
+        length = ["--train-iters", str(total)] if unit == "iters" else ["--train-samples", str(total)]
+        at = BASE.index("--train-iters")
+        argv = BASE[:at] + BASE[at + 2:] + length + [
+            f"--lr-warmup-{unit}", str(warmup), "--lr-decay-style", "WSD"]
+        argv += [f"--lr-decay-{unit}", str(decay)] if decay is not None else []
+        old = max(((decay if decay is not None else total) - warmup) // 10, 1)
+        with pytest.raises(ConfigError, match=rf"resume it with --lr-wsd-decay-{unit} {old}\)$"):
+            parse_settings(argv, 1)

@@ -150,6 +150,28 @@ def recorded_family(meta: dict, path: str = "the checkpoint") -> str | None:
     return name
 
 
+RUNTIME_ONLY = ("recompute_granularity", "recompute_method", "recompute_num_layers", "cpu_offloading",
+                "cpu_offloading_num_layers", "fine_grained_activation_offloading", "offload_modules",
+                "min_offloaded_tensor_size", "cpu_offloading_activations", "cpu_offloading_weights",
+                "cpu_offloading_retain_pinned_cpu_buffers", "moe_shared_expert_overlap")
+"""Model settings a checkpoint records but that change no tensor and that a resume sets again from its own flags
+(recomputation, activation offloading, the shared expert's overlap): convert has no flags for them."""
+
+
+def layout_only(cfg):
+    """``cfg`` with :data:`RUNTIME_ONLY` at their defaults, for skeletons that read or write a checkpoint: a layout is
+    checked for what it needs (heads, query groups, the MLP and the experts over tp / ep, the layers over pp), not
+    for how the recorded run executed (``checkpoint convert`` refused ``--cpu-offloading-num-layers 1`` at pp2, a
+    flag it has not). The memory plan's skeletons keep them (recomputation changes what a probe saves)."""
+    from dataclasses import MISSING, fields, replace
+
+    reset = {}
+    for f in fields(cfg):
+        if f.name in RUNTIME_ONLY:
+            reset[f.name] = f.default_factory() if f.default is MISSING else f.default
+    return replace(cfg, **reset)
+
+
 def skeleton_chunks(cfg, layout: Layout, ep_rank: int = 0, etp: int = 1) -> dict[tuple[int, int], torch.nn.Module]:
     """``{(pp_rank, chunk): GPTModel}`` for tensor-parallel rank 0 (and expert-parallel rank
     ``ep_rank``) of ``layout``, built in this process without communication: their parameters
@@ -304,7 +326,8 @@ def read_full_state(path: str, *, owners: set[str] | None = None, with_optimizer
                               f"torch_dist (the default) to reshard later")
     cfg = model_config(meta["model"], recorded_family(meta, path))
     check_declared_size(cfg, [os.path.join(path, n) for n in os.listdir(path)], path)
-    skeletons = skeleton_chunks(cfg, dataclasses.replace(layout, ep=1))  # every expert
+    # every expert; and a layout the recorded run's offloading or recomputation would refuse (a converted one's)
+    skeletons = skeleton_chunks(layout_only(cfg), dataclasses.replace(layout, ep=1))
     full = FullState(model={}, optimizer={}, optimizer_meta={}, scheduler={}, meta=meta)
     keep = (lambda n: owner(n) in owners) if owners is not None else (lambda n: True)
     biased = bool(meta["model"].get("moe_router_enable_expert_bias"))  # buffers, kept with each rank's state
@@ -468,12 +491,13 @@ def convert(path: str, save_dir: str, target: Layout, ckpt_format: str | None = 
     full = read_full_state(path)
     meta = full.meta
     cfg = model_config(meta["model"], recorded_family(meta, path))
+    shape = layout_only(cfg)  # the skeletons: a recorded run's offloading / recomputation do not refuse a layout
     new_meta = {"consumed_samples": meta["consumed_samples"], "model": meta["model"], "layout": target.to_dict(),
                 "config": _target_config(meta.get("config", {}), cfg, target),
                 "resharded_from": Layout.from_dict(meta["layout"]).to_dict()}
     if (ckpt_format or meta.get("ckpt_format", "torch")) == "torch_dist":
-        skeleton_chunks(cfg, target)  # raises ConfigError when the model does not split so
-        whole = list(skeleton_chunks(cfg, Layout()).values())  # every parameter, in its tp1 form
+        skeleton_chunks(shape, target)  # raises ConfigError when the model does not split so
+        whole = list(skeleton_chunks(shape, Layout()).values())  # every parameter, in its tp1 form
         new_meta["config"]["ckpt_format"] = "torch_dist"
         say(f"writing {target.world_size} ranks' pieces as torch_dist under {save_dir} ...")
         from omnitron.core.checkpoint import dist
@@ -482,7 +506,7 @@ def convert(path: str, save_dir: str, target: Layout, ckpt_format: str | None = 
     new_meta["config"]["ckpt_format"] = "torch"
     pc = target.parallel_config()
     ep_rank = {w: g.index(w) for g in rank_grid(pc, target.world_size)["ep"] for w in g}
-    skeletons = {0: skeleton_chunks(cfg, target)}  # per ep rank; raises ConfigError when the model does not split
+    skeletons = {0: skeleton_chunks(shape, target)}  # per ep rank; raises ConfigError when the model does not split
 
     def shards():
         cache = {}
@@ -491,7 +515,7 @@ def convert(path: str, save_dir: str, target: Layout, ckpt_format: str | None = 
             if (co.pp, co.tp, e) not in cache:  # dp / cp replicas hold the same shard
                 cache.clear()
                 if e not in skeletons:
-                    skeletons[e] = skeleton_chunks(cfg, target, e)
+                    skeletons[e] = skeleton_chunks(shape, target, e)
                 chunks = [skeletons[e][(co.pp, c)] for c in range(target.chunks)]
                 cache[(co.pp, co.tp, e)] = rank_shard(full, chunks, target.tp, co.tp)
             yield w, cache[(co.pp, co.tp, e)]

@@ -180,8 +180,10 @@ def check_lengths(config: OptimizerConfig, train_iters: int, train_samples: int 
                           f"Megatron's scheduler needs the warm-up to end before the decay does; give a shorter "
                           f"warm-up or a longer decay")
     if config.lr_decay_style == "WSD" and getattr(config, f"lr_wsd_decay_{unit}") is None:
+        old = max((decay - warmup) // 10, 1)  # the default before 2026-12-07: a tenth of the span after the warm-up
         raise ConfigError(f"--lr-decay-style WSD needs the length of its final decay: give --lr-wsd-decay-{unit} N "
-                          f"(Megatron's scheduler has no default)")
+                          f"(Megatron's scheduler has no default; a run begun before 2026-12-07 without it decayed "
+                          f"over {old}: resume it with --lr-wsd-decay-{unit} {old})")
 
 
 def _shape(style: str, ratio: float) -> float:

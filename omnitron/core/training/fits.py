@@ -36,15 +36,19 @@ def check_fits(settings, backend) -> None:
     """ConfigError when one rank's parameters, gradients and optimizer state alone exceed the total memory of the
     backend's device (``capabilities().memory_total``, the fact the launcher already asked for: no device memory is
     touched; no check where the device cannot say, nor for a model family the count cannot build on the meta
-    device: the run then meets its limits as before)."""
+    device: the run then meets its limits as before, and the reason is logged as a warning).
+
+    Every rank counts (under torchrun too: a rank that skipped it would wait in the process group's start for
+    a refused local rank 0, and ignore torchrun's first SIGTERM there: 30 s, then SIGKILL); the count takes well
+    under a second for a 70B model (the meta build skips weight initialisation)."""
     total = backend.capabilities().memory_total
     if not total:
         return
     try:
         need, stage = state_peak(settings)
     except Exception as err:  # noqa: BLE001  a family's own build, off the meta device: no count, no refusal
-        log.info("the model's state bytes could not be counted before the build (%s); not checked against the "
-                 "device's memory", err)
+        log.warning("the model's state bytes could not be counted before the build (%s: %s); not checked against "
+                    "the device's memory", type(err).__name__, err)
         return
     if need <= total:
         return
