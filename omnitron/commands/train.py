@@ -23,6 +23,8 @@ def run(args: argparse.Namespace) -> int:
 
 def main_from_dict(given: dict) -> int:
     """Validate (exit code 2 with one line naming the flag on bad settings), then launch."""
+    from omnitron.backends.registry import get_backend
+    from omnitron.commands.fits import check_fits
     from omnitron.core.checkpoint import CheckpointError
     from omnitron.core.config.parallel import ConfigError
     from omnitron.core.training.arguments import build_settings, merge_settings
@@ -32,6 +34,7 @@ def main_from_dict(given: dict) -> int:
     try:
         settings = build_settings(merge_settings(given))
         precheck(settings)
+        check_fits(settings, get_backend(settings.backend))  # one line, not the allocator's traceback from each rank
     except (ConfigError, CheckpointError) as err:
         return refuse(err)
     try:

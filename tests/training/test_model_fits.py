@@ -22,7 +22,7 @@ import pytest
 from omnitron.cli import main
 from omnitron.core.config.parallel import ConfigError
 from omnitron.core.training.arguments import parse_settings
-from omnitron.core.training.fits import check_fits, state_peak
+from omnitron.commands.fits import check_fits, state_peak
 from omnitron.testing.distributed import run_distributed
 from tests.plan.test_state import _args, held
 
@@ -116,7 +116,7 @@ def test_the_count_does_not_load_the_compiler_stack():
     0.14 s now). A fresh process, since this one may hold those modules already."""
     rope = _argv(64, 2, 500) + ["--position-embedding-type", "rope"]  # its frequencies: an arange
     code = ("import sys; from omnitron.core.training.arguments import parse_settings; "
-            "from omnitron.core.training.fits import state_peak; "
+            "from omnitron.commands.fits import state_peak; "
             f"print(state_peak(parse_settings({rope!r}, 1))[0], "
             "[m for m in ('torch._dynamo', 'sympy') if m in sys.modules])")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
@@ -128,7 +128,7 @@ def test_the_count_does_not_load_the_compiler_stack():
 def test_a_count_that_fails_is_a_warning_naming_the_error(monkeypatch, caplog):
     """A build the meta device cannot run leaves the run unchecked, and says why at warning level (an info line
     hid a bug in the count)."""
-    import omnitron.core.training.fits as fits
+    import omnitron.commands.fits as fits
 
     def broken(settings):
         raise ValueError("no such shape")

@@ -33,9 +33,6 @@ def precheck(settings) -> None:
         raise ConfigError(f"--backend: {err}") from None
     _check_kernels(backend)
     _check_dtype(settings.precision, backend)
-    from omnitron.core.training.fits import check_fits
-
-    check_fits(settings, backend)  # a model that cannot fit: one line, not the allocator's traceback from each rank
     if settings.fp8 is not None:
         from omnitron.core.precision.fp8 import check_backend
 
