@@ -21,8 +21,6 @@
 // no store traffic; a collective costs one counter update.
 #include "comm.h"
 
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-
 #include <algorithm>
 #include <atomic>
 #include <map>
@@ -35,12 +33,10 @@ namespace {
 constexpr std::chrono::milliseconds kQuiet{100};
 const char kAbsent[] = "\x01";
 const char kVersionKey[] = "simccl/cwait/version";  // bumped at every change of a record
-std::atomic<int64_t> g_store_ops{0};
 
 std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
 
 std::string peek(c10d::Store& store, const std::string& key) {  // the value, or kAbsent (never blocks)
-  count_wait_store_ops();
   auto got = store.compareSet(key, bytes(kAbsent), bytes(kAbsent));
   return {got.begin(), got.end()};
 }
@@ -128,15 +124,12 @@ bool find_cycle(int me, int at, c10d::Store& store, std::map<int, Record>& recor
 
 // Set this rank's record to ``value`` and bump the version (after: a search that read the old version sees it).
 void set_record(c10d::Store& store, int global, const std::string& value) {
-  count_wait_store_ops(2);
   store.set(record_key(global), bytes(value));
   store.add(kVersionKey, 1);
 }
 
 }  // namespace
 
-int64_t wait_store_ops() { return g_store_ops.load(); }
-void count_wait_store_ops(int64_t n) { g_store_ops.fetch_add(n); }
 
 bool SearchPace::due(int64_t version) {
   if (version != searched) {
@@ -151,14 +144,6 @@ bool SearchPace::due(int64_t version) {
 void note_collective_issued(const std::string& group, int64_t k) {
   std::lock_guard<std::mutex> lock(g_issued_mutex);
   g_issued[group] = k;
-}
-
-c10::intrusive_ptr<c10d::Store> job_store(c10::intrusive_ptr<c10d::Store> store) {
-  for (;;) {
-    auto* prefix = dynamic_cast<c10d::PrefixStore*>(store.get());
-    if (!prefix) return store;
-    store = prefix->getUnderlyingStore();
-  }
 }
 
 void publish_member(c10d::Store& group_store, int rank, int global) {
@@ -182,12 +167,10 @@ std::string CollectiveWait::poll() {
   if (!store_) store_ = job_store(group_store_);
   std::string told = peek(*store_, deadlock_key(global_));
   if (told != kAbsent && !told.empty()) {
-    count_wait_store_ops();
     store_->deleteKey(deadlock_key(global_));
     return told;
   }
   if (record_.empty() && !publish()) return "";
-  count_wait_store_ops();
   if (!pace_.due(store_->add(kVersionKey, 0))) return "";  // no record changed since the last search began
   std::map<int, Record> records{{global_, decode(record_)}};
   std::vector<int> cycle{global_};
@@ -200,7 +183,6 @@ std::string CollectiveWait::poll() {
     for (int m : records[r].members)
       if (m != global_ && std::find(told_ranks.begin(), told_ranks.end(), m) == told_ranks.end()) {
         told_ranks.push_back(m);  // every member of the cycle's groups: on NCCL they hang at their next one
-        count_wait_store_ops();
         store_->set(deadlock_key(m), bytes(report));
       }
   return report;

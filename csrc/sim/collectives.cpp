@@ -422,9 +422,7 @@ class SimCollectives final : public c10d::Backend {
       return;
     }
     auto compare = [store = store_, key, pos, group = item->group, src, dst](bool settled) {
-      if (!settled) count_wait_store_ops();  // a blocked wait's check, paced (comm_queue.cpp's poll_pair_waits)
       if (!settled && !store->check({key})) return std::string();  // the sender has not issued it yet
-      if (!settled) count_wait_store_ops();
       auto raw = store->get(key);
       if (settled) store->deleteKey(key);
       std::string report = compare_positions(group, src, dst, std::string(raw.begin(), raw.end()), pos);
@@ -515,6 +513,7 @@ class SimCollectives final : public c10d::Backend {
       std::lock_guard<std::mutex> lock(q.m);
       if (q.broken.empty()) abort_queue(q, report);
     }
+    note_raised(index);
     raise_report(report);
   }
 
@@ -524,7 +523,7 @@ class SimCollectives final : public c10d::Backend {
     if (watched_.exchange(true)) return;
     watched_device_ = index;
     watch_p2p(this, store_, deadlock_key(getRank()), index, [this, index] { cycles(index); },
-              [own = own_](const std::string& report) { own->note(report); });
+              [own = own_, index](const std::string& report) { own->note(report, index); });
   }
 
   // On the watchdog: this rank's batches replayed with every peer's (cycle.cpp). A cycle through three or more
@@ -543,7 +542,7 @@ class SimCollectives final : public c10d::Backend {
     }
     lock.unlock();
     if (found.report.empty()) return;
-    own_->note(found.report);
+    own_->note(found.report, index);
     Queue& q = g_queues[index];
     std::lock_guard<std::mutex> qlock(q.m);
     if (q.broken.empty()) abort_queue(q, found.report);
@@ -556,7 +555,9 @@ class SimCollectives final : public c10d::Backend {
       std::lock_guard<std::mutex> lock(q.m);
       broken = q.broken;
     }
-    if (!broken.empty()) raise_report(broken);
+    if (broken.empty()) return;
+    note_raised(index);
+    raise_report(broken);
   }
 
   // "" or the report of a cycle found at the end (flush_cycles).
@@ -564,6 +565,7 @@ class SimCollectives final : public c10d::Backend {
     if (released_.exchange(true)) return "";
     std::string report = flush_cycles();
     unwatch_p2p(this);
+    drop_waiters(*store_);  // the group's blocked-wait connections (pair_order.cpp)
     if (g_live_communicators.fetch_sub(1) == 1) stop_collective_workers();
     return report;
   }
@@ -599,21 +601,28 @@ class SimCollectives final : public c10d::Backend {
   }
 
   // A report of this group that reached this communicator on the watchdog (its cycle found, or a peer's report
-  // read) is raised by its release (flush_cycles), once, unless an operation raised it: at the job's end, and mid-run
-  // too when no later operation on the device raised it (NCCL hangs there: the job must not end cleanly). Shared
-  // with the watch's callback, which may outlive the communicator.
+  // read) is raised by its release (flush_cycles), once, unless an operation raised it, or any operation on the
+  // device raised after it came (the same fault said another way: gloo's error once the peer aborted, a timeout,
+  // another group's report that broke the device first): at the job's end, and mid-run too when no later operation
+  // on the device raised (NCCL hangs there: the job must not end cleanly). Shared with the watch's callback, which
+  // may outlive the communicator.
   struct OwnReport {
     std::mutex m;
     std::string report;
-    void note(const std::string& r) {
+    int device = 0;
+    int64_t raised_at = 0;  // raised_ops(device) when the report came
+    void note(const std::string& r, int on) {
       std::lock_guard<std::mutex> lock(m);
-      if (report.empty()) report = r;
+      if (!report.empty()) return;
+      report = r;
+      device = on;
+      raised_at = raised_ops(on);
     }
-    std::string take() {  // "" or the report when no operation raised it
+    std::string take() {  // "" or the report when no operation raised since it came
       std::lock_guard<std::mutex> lock(m);
       std::string r;
       std::swap(r, report);
-      return raised_before(r) ? "" : r;
+      return raised_before(r) || raised_ops(device) > raised_at ? "" : r;
     }
   };
 
@@ -646,7 +655,8 @@ class SimCollectives final : public c10d::Backend {
 c10::intrusive_ptr<c10d::Backend> collective_backend(c10::intrusive_ptr<c10d::Store> store,
                                                      c10::intrusive_ptr<c10d::Backend> gloo, bool sync_returns_none,
                                                      int global_rank) {
-  return c10::make_intrusive<SimCollectives>(std::move(store), std::move(gloo), sync_returns_none, global_rank);
+  return c10::make_intrusive<SimCollectives>(counted_store(std::move(store)), std::move(gloo), sync_returns_none,
+                                             global_rank);
 }
 
 }  // namespace sim

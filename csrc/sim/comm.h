@@ -91,6 +91,8 @@ std::string batched_key(int src, int dst, int64_t k);
 // ``broken()`` returns a report (the peer found a deadlock), which is returned; "" to go on waiting in gloo.
 std::string await_pair_place(c10d::Store& store, const std::string& key, std::chrono::milliseconds bound,
                              const std::function<std::string()>& broken);
+// Drop the connections to ``store`` that blocked waits opened (await_pair_place): at its group's release.
+void drop_waiters(const c10d::Store& store);
 
 // ---- the order of a communicator's point-to-point groups (group_order.cpp) ------------------------
 // One batch (batch_isend_irecv) of a rank, restricted to its operations with one peer.
@@ -155,9 +157,11 @@ struct SearchPace {
   // Whether a search is due now, given the ``version`` just read; advances the backoff when it is not.
   bool due(int64_t version);
 };
-// Store operations of blocked waits' records in this process (tests bound the traffic of a legal long wait).
-int64_t wait_store_ops();
-void count_wait_store_ops(int64_t n = 1);
+// ``store`` wrapped so that every operation on it (and on its clones) is counted (counted_store.cpp); every
+// simccl communicator's store is one. store_ops(): the count in this process (tests bound the traffic of a legal
+// long wait with it).
+c10::intrusive_ptr<c10d::Store> counted_store(c10::intrusive_ptr<c10d::Store> store);
+int64_t store_ops();
 
 // ---- cycles closed by wait() (wait_cycle.cpp) ------------------------------------------------------
 // A wait() on an unbatched operation issued before its peer's counterpart (await_pair_place): polled while it is
@@ -185,7 +189,7 @@ class BlockedWait {
 // ---- cycles of wait() on collectives across groups (collective_wait.cpp) ------------------------------
 // This process issued the ``k``-th collective of ``group`` (counted for the records of blocked waits).
 void note_collective_issued(const std::string& group, int64_t k);
-// The job's store under a group's prefix stores: where the ranks' records of blocked waits meet, whatever group.
+// The job's store under a group's prefix stores (counted): where the ranks' records of blocked waits meet.
 c10::intrusive_ptr<c10d::Store> job_store(c10::intrusive_ptr<c10d::Store> store);
 // Publish this rank's global rank (``global``) as member ``rank`` of the group whose store ``group_store`` is.
 void publish_member(c10d::Store& group_store, int rank, int global);

@@ -2,6 +2,7 @@
 #include "comm_queue.h"
 
 #include <algorithm>
+#include <atomic>
 #include <set>
 #include <sstream>
 
@@ -74,6 +75,13 @@ bool raised_before(const std::string& report) {
   std::lock_guard<std::mutex> lock(g_raised_mutex);
   return g_raised.count(report) > 0;
 }
+
+namespace {
+std::atomic<int64_t> g_raised_ops[kMaxDevices];
+}  // namespace
+
+void note_raised(int device) { g_raised_ops[device].fetch_add(1); }
+int64_t raised_ops(int device) { return g_raised_ops[device].load(); }
 
 std::chrono::milliseconds deadlock_bound() {
   static const int64_t ms = [] {
@@ -230,17 +238,28 @@ struct PairWait {
   std::chrono::milliseconds interval{100};  // the early check's, doubling to 1 s (SearchPace's ladder)
   std::mutex m;
   std::string report;  // what the waiter is woken with ("" at the bound)
-  bool woken = false;
+  bool woken = false, closed = false;
+  // Once, unless the wait ended (close): the key set where absent (a peer's verdict stays), under the lock, so
+  // close() sees every write of it done.
   void wake_up(const std::string& found) {
-    {
-      std::lock_guard<std::mutex> lock(m);
-      if (woken) return;
-      woken = true;
-      report = found;
-    }
+    std::lock_guard<std::mutex> lock(m);
+    if (woken || closed) return;
+    woken = true;
+    report = found;
     try {
-      store->set(wake, std::vector<uint8_t>{'w'});
+      store->compareSet(wake, {}, std::vector<uint8_t>{'w'});
     } catch (const std::exception&) {  // the store is gone: the waiter's own store wait ends too
+    }
+  }
+  // The wait ended: no wake from here on, and one set before is deleted (the waiter may have returned on the
+  // peer's verdict first): the wake key does not outlive the wait.
+  void close() {
+    std::lock_guard<std::mutex> lock(m);
+    closed = true;
+    if (!woken) return;
+    try {
+      store->deleteKey(wake);
+    } catch (const std::exception&) {  // the store is gone: nothing is left in it
     }
   }
   std::string taken() {
@@ -332,7 +351,10 @@ void start_threads(Queue& q, int index) {  // lock held
 void enqueue(int index, const ItemPtr& item) {
   Queue& q = g_queues[index];
   std::lock_guard<std::mutex> lock(q.m);
-  if (!q.broken.empty()) raise_report(q.broken);
+  if (!q.broken.empty()) {
+    note_raised(index);
+    raise_report(q.broken);
+  }
   for (auto& other : q.items)
     TORCH_CHECK(other->thread == item->thread, "sim: ", item->describe(), " was issued while ", other->describe(),
                 " is still queued on sim:", index,
@@ -389,6 +411,14 @@ class SimWork final : public c10d::Work {
  public:
   SimWork(ItemPtr item, int device) : device(device), item_(std::move(item)) {}
   bool wait(std::chrono::milliseconds timeout) override {
+    try {
+      return wait_for(timeout);
+    } catch (...) {
+      note_raised(device);
+      throw;
+    }
+  }
+  bool wait_for(std::chrono::milliseconds timeout) {
     bool ok = true;
     if (item_->inner) {
       await_pair(timeout);
@@ -544,6 +574,7 @@ class SimWork final : public c10d::Work {
         g_pair_waits.erase(std::remove_if(g_pair_waits.begin(), g_pair_waits.end(),
                                           [&](const PairWaitEntry& e) { return e.wait == w; }), g_pair_waits.end());
       }
+      w->close();
       if (w->blocked) w->blocked->leave();
     };
     try {

@@ -104,6 +104,10 @@ void unwatch_p2p(const void* owner);
 // communicator's release raises a report that reached it only when no operation raised it before (raised_before).
 [[noreturn]] void raise_report(const std::string& report);
 bool raised_before(const std::string& report);
+// Operations on device ``device`` that raised, whatever the error (a report, gloo's, a timeout): a report noted
+// before one of them raised is spent, the job's error already said (collectives.cpp, OwnReport).
+void note_raised(int device);
+int64_t raised_ops(int device);
 
 // The key the first of a pair's unbatched operations waits on (await_pair_place): set by the peer when it claims
 // the place, or by the watchdog when the wait must end (a report, the bound).

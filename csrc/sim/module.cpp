@@ -87,8 +87,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     auto [accesses, ordered] = sim::race_stats();
     return py::dict(py::arg("accesses") = accesses, py::arg("ordered_conflicts") = ordered);
   }, "The race detector's counts: device memory accesses recorded, cross-stream conflicts found ordered.");
-  m.def("wait_store_ops", &sim::wait_store_ops,
-        "Store operations of blocked waits' cycle records in this process (their traffic, bounded by tests).");
+  m.def("store_ops", &sim::store_ops,
+        "Store operations simccl issued in this process, every one counted (their traffic, bounded by tests).");
   m.def("reset_peak", [](int i) { sim::reset_peak(static_cast<c10::DeviceIndex>(i)); });
   m.def("set_poison", &sim::set_poison, "Fill fresh device memory with 0xff bytes (NaN): uninitialised reads show.");
   m.def("sync_count", &sim::sync_count, py::arg("kind") = "");

@@ -119,15 +119,12 @@ PairClaim claim_pair_place(c10d::Store& store, const std::string& key, const std
   int64_t place = std::stoll(key.substr(key.rfind('/') + 1));
   bool same_tag = std::stoi(theirs.substr(tab + 1, tab2 - tab - 1)) == tag;
   std::string their_payload = theirs.substr(tab2 + 1, tab3 - tab2 - 1);
-  if (their_send != send && same_tag && their_payload == payload) {
-    store.set(key, bytes(kMatched));  // the first one's wait() may proceed: woken
-    store.set(wake_key(key), bytes(kMatched));
-    return {false, ""};
-  }
-  // marked, not deleted: the first one reads the key when woken (a get() of a deleted key would block for the
-  // store's whole timeout)
-  store.set(key, bytes(kDeadlock));
-  store.set(wake_key(key), bytes(kDeadlock));
+  // The verdict lives in the wake key alone, written once, after the place is gone: the first one reads it only
+  // once woken, and is the only one to delete it (a verdict in two keys could be read between the two writes).
+  bool matched = their_send != send && same_tag && their_payload == payload;
+  store.deleteKey(key);
+  store.set(wake_key(key), bytes(matched ? kMatched : kDeadlock));  // the first one's wait() may proceed: woken
+  if (matched) return {false, ""};
   std::ostringstream os;
   if (their_send != send) {
     os << "sim: point-to-point " << (same_tag ? mismatch_kind(their_payload, payload) : "tag") << " mismatch on group '"
@@ -183,54 +180,62 @@ std::string wake_key(const std::string& key) { return key + "/wake"; }
 
 namespace {
 
-// A second connection to ``store`` for this thread's blocked waits: a TCPStore client holds its one connection for
-// the whole of a wait(), which would stall the watchdog's and other threads' operations on it. Kept per thread and
-// store (the store held, so its address is never another's), the last kKeep of them: a connection each.
-c10d::Store& waiter_of(c10d::Store& store) {
+// Second connections to group stores for blocked waits: a TCPStore client holds its one connection for the whole of
+// a wait(), which would stall the watchdog's and other threads' operations on it. One per store and thread (the
+// store held, so its address is never another's), the last kKeep of a thread's; a group's go at its release.
+struct Waiter {
+  c10::intrusive_ptr<c10d::Store> of, clone;
+  std::thread::id thread;
+};
+std::mutex g_waiters_mutex;
+std::vector<Waiter> g_waiters;
+
+c10::intrusive_ptr<c10d::Store> waiter_of(c10d::Store& store) {
   constexpr size_t kKeep = 8;
-  thread_local std::vector<std::pair<c10::intrusive_ptr<c10d::Store>, c10::intrusive_ptr<c10d::Store>>> clones;
-  for (const auto& [of, clone] : clones)
-    if (of.get() == &store) return *clone;
-  if (clones.size() >= kKeep) clones.erase(clones.begin());  // this thread's: none of them is in a wait now
+  auto me = std::this_thread::get_id();
+  std::lock_guard<std::mutex> lock(g_waiters_mutex);
+  size_t mine = 0, oldest = g_waiters.size();
+  for (size_t i = 0; i < g_waiters.size(); ++i) {
+    if (g_waiters[i].thread != me) continue;
+    if (g_waiters[i].of.get() == &store) return g_waiters[i].clone;
+    if (mine++ == 0) oldest = i;
+  }
+  if (mine >= kKeep) g_waiters.erase(g_waiters.begin() + oldest);  // its wait, if any, holds its own reference
   auto held = c10::intrusive_ptr<c10d::Store>::reclaim_copy(&store);
-  clones.emplace_back(held, held->clone());
-  return *clones.back().second;
+  g_waiters.push_back({held, held->clone(), me});
+  return g_waiters.back().clone;
 }
 
 }  // namespace
 
+void drop_waiters(const c10d::Store& store) {
+  std::lock_guard<std::mutex> lock(g_waiters_mutex);
+  g_waiters.erase(std::remove_if(g_waiters.begin(), g_waiters.end(),
+                                 [&](const Waiter& w) { return w.of.get() == &store; }), g_waiters.end());
+}
+
+// The wake key holds the peer's verdict (claim_pair_place) or the watchdog's wake (set only where absent: a
+// verdict is never overwritten; one the waiter read and deleted is the watchdog's to delete, SimWork::await_pair).
+// A matched verdict still yields to a report the watchdog woke this wait with. Leak-free but where the wait ends
+// without the peer's claim (a report, the bound): a verdict the peer writes later stays in the store.
 std::string await_pair_place(c10d::Store& store, const std::string& key, std::chrono::milliseconds bound,
                              const std::function<std::string()>& broken) {
   auto until = std::chrono::steady_clock::now() + bound;
-  bool marked = false;  // the peer marked the place a deadlock: its report reaches broken() (the watchdog wakes us)
+  const std::string wake = wake_key(key);
   try {
+    auto waiter = waiter_of(store);
     for (;;) {
       std::string report = broken();  // a report the watchdog woke this wait with, or the communicator's
       if (!report.empty()) return report;
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
       if (left.count() <= 0) return "";
-      if (!marked) {
-        count_wait_store_ops();
-        auto raw = store.get(key);  // the key stays until this rank deletes it, so get() cannot block
-        std::string value(raw.begin(), raw.end());
-        if (value == kMatched) {
-          count_wait_store_ops(2);
-          store.deleteKey(key);
-          store.deleteKey(wake_key(key));
-          return "";
-        }
-        if (value == kDeadlock) {
-          count_wait_store_ops();
-          store.deleteKey(key);
-          marked = true;
-        }
-      }
       // pushed by the store when the peer claims its place or the watchdog wakes this wait (at the bound at the
       // latest, so the wait's own timeout, which the store logs, is a safety net only)
-      count_wait_store_ops();
-      waiter_of(store).wait({wake_key(key)}, left + std::chrono::seconds(1));
-      count_wait_store_ops();
-      store.deleteKey(wake_key(key));  // then broken() again: a wake the watchdog sets from here on is seen
+      waiter->wait({wake}, left + std::chrono::seconds(1));
+      auto raw = store.get(wake);  // set: only this wait deletes it
+      store.deleteKey(wake);
+      if (std::string(raw.begin(), raw.end()) == kMatched) return broken();
+      // a deadlock verdict: the peer's report reaches broken() through the watchdog, which wakes this wait again
     }
   } catch (const std::exception&) {  // the store is gone (the job is ending): gloo's own wait says what happened
   }

@@ -41,7 +41,6 @@ std::string blocked_key(int rank) { return "simccl/blocked/" + std::to_string(ra
 const char kVersionKey[] = "simccl/blocked/version";  // bumped at every change of a record of the group
 
 void set_record(c10d::Store& store, int rank, const std::string& value) {  // then the version: see SearchPace
-  count_wait_store_ops(2);
   store.set(blocked_key(rank), bytes(value));
   store.add(kVersionKey, 1);
 }
@@ -49,7 +48,6 @@ void set_record(c10d::Store& store, int rank, const std::string& value) {  // th
 // The value at ``key``, or kAbsent: compareSet with an expected value no key holds never writes, and unlike
 // check() then get() cannot block when the owner deletes the key between the two.
 std::string peek(c10d::Store& store, const std::string& key) {
-  count_wait_store_ops();
   auto got = store.compareSet(key, bytes(kAbsent), bytes(kAbsent));
   return {got.begin(), got.end()};
 }
@@ -106,7 +104,6 @@ CycleReport BlockedWait::poll() {
     record_ = std::to_string(g_episode.fetch_add(1)) + "\t" + std::to_string(peer_) + "\t" + key_ + "\t" + op_;
     set_record(*store_, rank_, record_);
   }
-  count_wait_store_ops();
   if (!pace_.due(store_->add(kVersionKey, 0))) return {};  // no record changed since the last search began
   // pass 1: follow the records from this rank's peer until the chain returns here
   std::map<int, std::string> raw{{rank_, record_}};

@@ -69,9 +69,17 @@ def ring_on_a_with_b_pending(world_ring: bool = False) -> dict:
     except RuntimeError as err:
         out["post"] = str(err)
     steps = (("B", b), ("G", g), ("A", a), ("world", None)) if world_ring else (("B", b), ("A", a), ("world", None))
+    return destroy_each(steps, out)
+
+
+def destroy_each(steps, out: dict) -> dict:
+    """Destroy each (step, group) in turn (a group this rank is not in skipped): out[step] is "" or the error."""
+    import torch.distributed as dist
+
     for step, group in steps:
         try:
-            dist.destroy_process_group(group)
+            if group is not dist.GroupMember.NON_GROUP_MEMBER:
+                dist.destroy_process_group(group)
             out[step] = ""
         except RuntimeError as err:
             out[step] = str(err)
@@ -136,3 +144,52 @@ def test_a_report_found_mid_run_that_no_operation_raised_surfaces_at_the_end():
         m = r["destroy"]
         assert "\n" not in m and "sim: point-to-point cycle deadlock on group '" in m, r
         assert r["name"] in m and m.count("test_sim_shutdown_reports.py") == 6, r
+
+
+def two_reports_then_an_error() -> dict:
+    """Rank 1 issues an unbatched send to rank 0 on group A and one to rank 2 on group B, never waited; 0.5 s later
+    ranks 0 and 2 each issue a send back at the same place (two sends: each raises its report at issue, and leaves
+    it for rank 1). Rank 1's watchdog notes both, each by its own group's communicator; the first breaks its device,
+    so its next operation raises that one only. Then every rank destroys A and B: per step, "" or the error."""
+    import time
+
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+    from omnitron.testing.distributed import device_wedged
+
+    dev, me = get_backend().device(), dist.get_rank()
+    a, b = dist.new_group([0, 1]), dist.new_group([1, 2])
+    x, out = torch.zeros(4, device=dev), {}
+    if me == 1:
+        out["works"] = [dist.isend(x, 0, group=a), dist.isend(x, 2, group=b)]  # first at each place
+    else:
+        time.sleep(0.5)
+        try:
+            dist.isend(x, 1, group=a if me == 0 else b)
+            out["send"] = ""
+        except RuntimeError as err:
+            out["send"] = str(err)
+    time.sleep(1.5)  # a watchdog poll or two (0.1 s each): both reports noted on rank 1
+    out["op"] = ""
+    if me == 1:
+        try:
+            dist.all_reduce(torch.ones(2, device=dev))
+        except RuntimeError as err:
+            out["op"] = str(err)
+    device_wedged()  # the closing barrier on the store: the devices are broken
+    out.pop("works", None)
+    return destroy_each((("B", b), ("A", a)), out)
+
+
+def test_a_report_the_job_said_another_way_is_not_raised_again_at_release():
+    """Rank 1's operation raised one of the two reports (the device's, broken by the first noted); the other, noted
+    before that operation raised, is the same job's failure: NCCL's job hangs (or its watchdog ends it) once, so no
+    release raises it as a second error in teardown (it used to: B's or A's destroy raised it)."""
+    r0, r1, r2 = run_distributed(two_reports_then_an_error, 3, backend="sim", env=ENV, timeout_s=150)
+    for r in (r0, r2):
+        assert "sim: point-to-point deadlock on group '" in r["send"], r
+        assert r["A"] == "" and r["B"] == "", r
+    assert "sim: point-to-point deadlock on group '" in r1["op"], r1
+    assert r1["op"] in (r0["send"], r2["send"]), (r1, r0, r2)
+    assert r1["A"] == "" and r1["B"] == "", r1

@@ -15,12 +15,18 @@ polls come at r + 0.1, 0.3, 0.7, 1.5, 2.5 s (intervals doubling to 1 s), so with
 polls only at least 0.8 s apart: at most 1 + 1.5 / 0.8 < 3 of them, each without a search: two operations (the
 deadlock key, the version) for a collective; for a point-to-point wait one (the version) and, on the same ladder
 from the wait's start, the receive's order check (one check of the sender's record, and one read once it is there):
-three. The old code polled every 0.1 s (at least 10 polls in the window), each one operation or more, and the
+three. Besides, each communicator that took part in point-to-point (the receive's group, in the p2p phase only) has
+the device's watchdog check its deadlock-report key at every poll, every 0.1 s: at most 1 + 1.5 / 0.1 = 16 checks in
+the window. The old code polled every 0.1 s (at least 10 polls in the window), each one operation or more, and the
 receive's 20 ms loop three operations an iteration (at least 75 iterations in the window).
+
+Every store operation simccl issues is counted (csrc/sim/counted_store.cpp: its communicators' stores, their
+clones, the job store under them, wrapped), not the ones a change chose to count: a polling loop anywhere shows.
 """
 from __future__ import annotations
 
 import pytest
+import torch
 
 from omnitron.testing.distributed import run_distributed
 from omnitron.testing.sim import requires_sim
@@ -31,10 +37,11 @@ SLEEP_S = 3.5  # rank 0's "checkpoint": the others wait this long, legally
 WINDOW_S = (1.5, 3.0)  # where the store operations are counted (after the backoff's ladder, before the wait ends)
 POLLS_IN_WINDOW = 3  # see the module's docstring
 OPS_PER_POLL = {"collective": 2, "p2p": 3}
+REPORT_CHECKS = {"collective": 0, "p2p": 16}  # the watchdog's checks of the receive's group's report key
 
 
 def legal_long_waits() -> dict:
-    """Per phase: this rank's store operations of blocked-wait records in the window (rank 0: None), and whether
+    """Per phase: this rank's store operations (every one simccl issued) in the window (rank 0: None), and whether
     the phase's data arrived."""
     import threading
     import time
@@ -54,7 +61,7 @@ def legal_long_waits() -> dict:
         def count():
             for at in WINDOW_S:
                 time.sleep(max(0.0, t0 + at - time.monotonic()))
-                seen.append(sim_ext.wait_store_ops())
+                seen.append(sim_ext.store_ops())
 
         counter = threading.Thread(target=count, daemon=True)
         if me == 0:
@@ -83,4 +90,38 @@ def test_a_legal_long_wait_polls_the_store_with_backoff():
         for phase, got in r.items():
             assert got["ok"], (rank, phase, r)
             if rank:
-                assert got["ops"] <= POLLS_IN_WINDOW * OPS_PER_POLL[phase], (rank, phase, r)
+                assert got["ops"] <= POLLS_IN_WINDOW * OPS_PER_POLL[phase] + REPORT_CHECKS[phase], (rank, phase, r)
+
+
+ROUNDS = 11  # more than the 8 connections a thread used to keep: their growth shows before any cap
+
+
+def blocked_waits_over_groups() -> list:
+    """ROUNDS times: a new group, rank 1's receive waited on before rank 0's send is issued (a blocked wait: its
+    own connection to the group's store), the group destroyed. This rank's open file descriptors after each."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+
+    dev, me, fds = get_backend().device(), dist.get_rank(), []
+    for _ in range(ROUNDS):
+        g = dist.new_group([0, 1])
+        t = torch.zeros(4, device=dev)
+        if me == 0:
+            time.sleep(0.2)  # rank 1's receive waits in the store meanwhile
+            dist.send(t, 1, group=g)
+        else:
+            dist.recv(t, 0, group=g)
+        dist.destroy_process_group(g)
+        fds.append(len(os.listdir("/proc/self/fd")))
+    return fds
+
+
+def test_a_blocked_waits_store_connection_goes_with_its_group():
+    """The connection a blocked wait opened is closed at its group's release: the receiver's descriptors stay flat
+    over the rounds (the first round's, which opens what the job keeps, aside); they grew by one a round."""
+    for rank, fds in enumerate(run_distributed(blocked_waits_over_groups, 2, backend="sim", env=ENV, timeout_s=120)):
+        assert len(set(fds[1:])) == 1, (rank, fds)
