@@ -5,8 +5,9 @@ only after its own wait: NCCL hangs (each communicator runs its collectives in t
 issued them, and a host blocked in wait() issues nothing). On sim neither device queue ever held two collectives, so
 the bound's report (comm_queue.cpp) never came and the job hung until the harness killed it. The reference is
 :func:`model` (pure Python): random programs of all-reduces over two groups of three ranks that it completes must
-run and sum exactly; a program it finds stuck must fail every rank of the cycle fast, on one line naming each
-rank's collective and call site.
+run and sum exactly; a program it finds stuck, with a wait() cycle where sim stops, must fail every rank of the
+cycle fast, on one line naming each rank's collective and call site. A stuck program that stops sim in its device
+queues' order first (one drawn stuck program in about seven) gets the bound's report instead.
 """
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ FAST_S = 10.0  # found a few polls (0.05 s + 0.1 s each) after the last rank blo
 GROUPS = ([0, 1, 2], [0, 1, 2])
 BRIEF = [[(0, True), (1, True)], [(1, True), (0, True)], [(0, True), (1, True)]]
 """Ranks 0 and 2 wait on group 0's all-reduce before they issue group 1's; rank 1 the other way round."""
+SEED_616811642 = [[(1, False), (0, True), (1, False), (1, True), (0, False)],
+                  [(0, False), (1, True), (1, True), (0, True), (1, True)],
+                  [(0, False), (1, True), (0, True), (1, True), (1, True)]]
+"""Stuck on NCCL in a wait() cycle, but sim stops first: rank 0's group-1 all-reduce #1 runs on its device ahead
+of its group-0 #1, ranks 1 and 2 the other way round, and each waits for peers queued behind their own."""
 
 
 def model(program: list, one_queue: bool) -> bool:
@@ -30,6 +36,13 @@ def model(program: list, one_queue: bool) -> bool:
     completes. The k-th collective of a group runs once every member issued its k-th and its (k-1)-th completed
     (the group's communicator runs them in order); a rank issues nothing while it waits on an incomplete one.
     ``one_queue``: also after every collective its rank issued before it (sim's device runs one at a time)."""
+    issued, done = _final(program, one_queue)
+    return all(len(issued[r]) == len(program[r]) for r in range(len(program))) and all(
+        op in done for ops in issued for op in ops)
+
+
+def _final(program: list, one_queue: bool) -> tuple:
+    """:func:`model`'s state once nothing more runs: per rank the (group, k) issued, in order; the set done."""
     issued = [[] for _ in program]  # per rank: (group, k) in issue order
     done: set = set()
 
@@ -59,8 +72,32 @@ def model(program: list, one_queue: bool) -> bool:
                 if (g, k) not in done and runs(g, k):
                     done.add((g, k))
                     progress = True
-    return all(len(issued[r]) == len(program[r]) for r in range(len(program))) and all(
-        op in done for ops in issued for op in ops)
+    return issued, done
+
+
+def wait_cycle(program: list) -> bool:
+    """True when, where sim stops (one queue per device), ranks blocked in wait() form a cycle: each waits on a
+    group's k-th collective that the next, itself blocked, has not issued. Otherwise sim is stuck only by its
+    queue order (a collective waits behind another on some device), which the bound reports, not this check."""
+    issued, done = _final(program, True)
+    blocked = {}  # rank -> the (group, k) it waits on: a waited one not done, else the first (the end's waits)
+    for r, ops in enumerate(issued):
+        waited = [op for op, (_, w) in zip(ops, program[r]) if w and op not in done]
+        rest = [op for op in ops if op not in done]
+        if waited or rest:
+            blocked[r] = (waited or rest)[0]
+    edges = {r: {m for m in GROUPS[g] if m in blocked and sum(x == g for x, _ in issued[m]) < k}
+             for r, (g, k) in blocked.items()}
+    for start in edges:  # a path from start back to itself
+        seen, todo = set(), list(edges[start])
+        while todo:
+            r = todo.pop()
+            if r == start:
+                return True
+            if r not in seen:
+                seen.add(r)
+                todo.extend(edges[r])
+    return False
 
 
 def _random(gen: torch.Generator) -> list:
@@ -76,11 +113,12 @@ def _random(gen: torch.Generator) -> list:
 
 def _programs(seed: int, runs: bool, count: int) -> list:
     """Programs both models agree on (sim's one queue per device is NCCL's worst case; a program only it finds
-    stuck is the bound's report, not this check's)."""
+    stuck is the bound's report, not this check's); stuck ones only where sim stops in a :func:`wait_cycle` (one
+    drawn stuck program in about seven stops sim in its queue order first: SEED_616811642)."""
     gen, out = torch.Generator().manual_seed(seed), []
     while len(out) < count:
         program = _random(gen)
-        if model(program, False) == runs and model(program, True) == runs:
+        if model(program, False) == runs and model(program, True) == runs and (runs or wait_cycle(program)):
             out.append(program)
     return out
 
@@ -131,6 +169,9 @@ def test_model_check():
     assert model([BRIEF[0]] * 3, False) and model([BRIEF[0]] * 3, True)
     unwaited = [[(g, False) for g, _ in ops] for ops in BRIEF]
     assert model(unwaited, False) and not model(unwaited, True)
+    assert wait_cycle(BRIEF) and not wait_cycle(unwaited)
+    assert not model(SEED_616811642, False) and not model(SEED_616811642, True) and not wait_cycle(SEED_616811642)
+    assert SEED_616811642 not in _programs(616811642, False, 1)  # the seed that drew it
 
 
 def test_programs_the_model_completes_run_and_sum():
@@ -153,3 +194,14 @@ def test_cross_group_wait_cycles_fail_fast(drawn):
         assert m.count(" waits in wait() on all_reduce on group '") >= 2, (seed, m)
         assert m.count("test_sim_cross_group_wait.py") == m.count(" waits in wait() on "), (seed, m)
         assert r["s"] < FAST_S and r["wrong"] == 0, (seed, r["s"], m)
+
+
+def test_queue_order_stop_is_the_bounds_report():
+    """SEED_616811642: sim stops in its queue order before any wait() cycle forms, so every rank (each one's queue
+    holds two all-reduces) gets the deadlock bound's report, at the bound, and no cycle report (none is true)."""
+    bound = 4.0
+    env = {**ENV, "OMNITRON_SIM_DEADLOCK_S": str(int(bound))}
+    for r in run_distributed(run_programs, 3, [SEED_616811642], 0, backend="sim", env=env, timeout_s=150):
+        m = r["error"]
+        assert m.startswith("sim: collective deadlock on sim:") and " waits behind it " in m, m
+        assert bound <= r["s"] < bound + FAST_S and r["wrong"] == 0, (r["s"], m)  # not before the bound
