@@ -122,6 +122,16 @@ def test_token_range_sees_a_negative_id_in_any_chunk(tmp_path):
     assert IndexedDataset(tmp_path / "neg").token_range(chunk_tokens=4) == (int(ids.min()), int(ids.max()))
 
 
+def test_token_range_of_valid_ids_is_their_smallest_and_largest(tmp_path):
+    """Ids all above zero: the smallest reported is theirs, not a floor of 0 (the docstring's promise)."""
+    rng = np.random.default_rng()
+    ids = rng.integers(5, 1000, 13)
+    idx, data = _fixture_bytes([[ids.tolist()]], 4, np.int32)
+    (tmp_path / "pos.idx").write_bytes(idx)
+    (tmp_path / "pos.bin").write_bytes(data)
+    assert IndexedDataset(tmp_path / "pos").token_range(chunk_tokens=4) == (int(ids.min()), int(ids.max()))
+
+
 def test_bad_files_fail_with_clear_errors(tmp_path):
     docs = _random_docs(np.random.default_rng(2), 5, 500)
     idx, data = _fixture_bytes(docs, 8, np.uint16)

@@ -188,7 +188,9 @@ class IndexedDataset:
     def token_range(self, chunk_tokens: int = 1 << 24) -> tuple[int, int]:
         """(smallest, largest) token id in the ``.bin`` (read in chunks; (0, -1) when empty)."""
         data = self._bin[: self._bin_bytes_needed()].view(self.dtype)
-        lo_id, hi_id = 0, -1
+        if not len(data):
+            return 0, -1
+        lo_id, hi_id = int(data[0]), -1
         for lo in range(0, len(data), chunk_tokens):
             part = data[lo: lo + chunk_tokens]
             lo_id, hi_id = min(lo_id, int(part.min())), max(hi_id, int(part.max()))
