@@ -549,12 +549,7 @@ class SimCollectives final : public c10d::Backend {
   }
 
   static void check_unbroken(int index) {
-    Queue& q = g_queues[index];
-    std::string broken;
-    {
-      std::lock_guard<std::mutex> lock(q.m);
-      broken = q.broken;
-    }
+    std::string broken = broken_report(g_queues[index]);
     if (broken.empty()) return;
     note_raised(index);
     raise_report(broken);

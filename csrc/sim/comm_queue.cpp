@@ -112,6 +112,11 @@ void finish(Queue& q, const ItemPtr& item, const std::string& error) {
 
 }  // namespace
 
+std::string broken_report(Queue& q) {
+  std::lock_guard<std::mutex> lock(q.m);
+  return q.broken;
+}
+
 // Mark the communicator broken with ``message`` and fail what is queued (lock held), as an aborted NCCL
 // communicator does: every later collective on the device raises it.
 void abort_queue(Queue& q, const std::string& message) {
@@ -535,12 +540,7 @@ class SimWork final : public c10d::Work {
     return ok;
   }
   void raise_if_broken() {
-    Queue& q = queue_of();
-    std::string broken;
-    {
-      std::lock_guard<std::mutex> lock(q.m);
-      broken = q.broken;
-    }
+    std::string broken = broken_report(queue_of());
     if (broken.empty()) return;
     release_flight(item_);
     raise_report(broken);

@@ -88,6 +88,8 @@ extern Queue* const g_queues;  // one per device (comm_queue.cpp)
 // Mark the communicator broken with ``message`` and fail what is queued (lock held), as an aborted NCCL
 // communicator does: every later collective on the device raises it.
 void abort_queue(Queue& q, const std::string& message);
+// The device's report once it is broken, else "" (read under the queue's lock).
+std::string broken_report(Queue& q);
 void start_threads(Queue& q, int index);      // lock held: the worker and the watchdog, once
 void enqueue(int index, const ItemPtr& item);  // raises when the device is broken or another thread's is queued
 
