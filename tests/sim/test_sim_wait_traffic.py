@@ -99,6 +99,7 @@ ROUNDS = 11  # more than the 8 connections a thread used to keep: their growth s
 def blocked_waits_over_groups() -> list:
     """ROUNDS times: a new group, rank 1's receive waited on before rank 0's send is issued (a blocked wait: its
     own connection to the group's store), the group destroyed. This rank's open file descriptors after each."""
+    import gc
     import os
     import time
 
@@ -116,6 +117,8 @@ def blocked_waits_over_groups() -> list:
         else:
             dist.recv(t, 0, group=g)
         dist.destroy_process_group(g)
+        del g, t  # the group object (its gloo context's descriptors) lived on until the next round rebound g
+        gc.collect()
         fds.append(len(os.listdir("/proc/self/fd")))
     return fds
 
