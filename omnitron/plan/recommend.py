@@ -206,8 +206,8 @@ def state_lower_bound(settings) -> float:
 
     cfg, pc = model_config(settings), settings.parallel
     ddp, p = settings.ddp, cfg.params_dtype.itemsize
-    g = 4 if ddp and ddp.accumulate_allreduce_grads_in_fp32 else p
-    opt = least_moment_bytes(settings.optim) + master_bytes(settings.optim, cfg.params_dtype)
+    g = max(4, p) if ddp and ddp.accumulate_allreduce_grads_in_fp32 else p  # fp32 widens bf16 / fp16 only
+    opt = least_moment_bytes(settings.optim, cfg.params_dtype) + master_bytes(settings.optim, cfg.params_dtype)
     share = settings.dp * pc.context_parallel_size if ddp and ddp.use_distributed_optimizer else 1
     layers = stage_layers(settings, cfg)
     pp, vp = pc.pipeline_model_parallel_size, pc.virtual_pipeline_model_parallel_size or 1

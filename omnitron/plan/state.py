@@ -179,10 +179,15 @@ def moment_bytes(optim, p=None, dtype: torch.dtype | None = None) -> int:
     return word * _moments(optim, p)
 
 
-def least_moment_bytes(optim) -> int:
-    """The fewest optimizer bytes any parameter takes per element (Muon: its momentum alone, for the matrices it
-    orthogonalises; the others keep AdamW's two moments): what a lower bound may count for every element."""
-    return 4 if optim.optimizer == "muon" else moment_bytes(optim)
+def least_moment_bytes(optim, dtype: torch.dtype = torch.float32) -> int:
+    """The fewest optimizer bytes any ``dtype`` parameter takes per element (Muon: its momentum alone, one word in
+    the master's dtype, for the matrices it orthogonalises; the others keep AdamW's two moments): what a lower
+    bound may count for every element. A float64 model's words are float64 (:func:`moment_bytes`)."""
+    if optim.optimizer == "muon":
+        from omnitron.core.optim.optimizer import master_dtype
+
+        return master_dtype(dtype).itemsize
+    return moment_bytes(optim, dtype=dtype)
 
 
 def scale_bytes(optim) -> int:

@@ -204,3 +204,31 @@ def test_float64_model_exact(name, tmp_path):
     results = run_distributed(held, world, _args(str(tmp_path), 1, 1, extra), world, True)
     real = tuple(max(r[1][i] for r in results) for i in range(3))
     assert results[0][2] == real
+
+
+def _bound_and_held(args: list[str]) -> tuple[float, tuple[int, int, int]]:
+    """(``state_lower_bound``, the bytes a built float64 run holds: parameters, gradient buffers, optimizer)."""
+    import dataclasses
+
+    import torch
+
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.plan.recommend import state_lower_bound
+
+    s = parse_settings(args, 1)
+    bound = state_lower_bound(dataclasses.replace(s, model=dataclasses.replace(s.model, params_dtype=torch.float64)))
+    return bound, held(args, 1, True)[1]
+
+
+@pytest.mark.parametrize("name", ["one", "sgd", "fp32_accumulation", "muon"])
+def test_float64_state_bound_counts_float64_words(name, tmp_path):
+    """The search's state bound of a float64 model against the bytes the built float64 run holds (one rank, one
+    stage, no bucket padding): equal for AdamW and SGD, whose every element keeps the same words (parameter,
+    gradient -- float64 also under --accumulate-allreduce-grads-in-fp32, which widens bf16 / fp16 only -- and
+    moments, all float64); Muon's counts every element's parameter, gradient and one optimizer word (its matrices'
+    momentum; the rest keep two), 24 bytes. The bound counted the moments (and Muon's word, and the fp32-accumulated
+    gradient) as fp32: 2/3 of AdamW's held bytes. Exact integer byte counts."""
+    extra = {"one": [], "sgd": ["--optimizer", "sgd"], "muon": ["--optimizer", "muon"],
+             "fp32_accumulation": ["--accumulate-allreduce-grads-in-fp32"]}[name]
+    bound, real = _bound_and_held(_args(str(tmp_path), 1, 1, [*extra, "--make-vocab-size-divisible-by", "8"]))
+    assert bound == (3 * real[0] if name == "muon" else sum(real))  # real[0]: 8 bytes an element
