@@ -359,22 +359,31 @@ def load(c, path: str, meta: dict, *, with_optimizer: bool) -> None:
 
 
 def fp32_sources(pieces: Pieces, saved: dict) -> Pieces:
-    """``pieces`` with each fp32 weight read from the checkpoint's fp32 copy of it, wherever the two runs keep that
-    copy under different keys: a low-precision run (bf16 / fp16 weights beside fp32 masters, ``optim/master/X``)
-    and one whose weights are the fp32 masters (an fp32 run, FSDP2's sharded parameters; ``model/X`` only). So
-    a resume across ``--bf16`` / ``--fp16`` / fp32, or between FSDP2 and the (distributed) optimizer, reads the
-    masters bit for bit instead of refusing (no ``optim/master/X`` saved) or rounding them to the saved bf16
-    weights. Only with the optimizer state: ``--no-load-optim`` / ``--finetune`` take the weights as saved."""
+    """``pieces`` with each weight read from the checkpoint's fp32 copy of it wherever the two runs keep that copy
+    under different keys, or keep their weights in different dtypes: a low-precision run (bf16 / fp16 weights beside
+    fp32 masters, ``optim/master/X``) and one whose weights are the fp32 masters (an fp32 run, FSDP2's sharded
+    parameters; ``model/X`` only), or a --bf16 run and an --fp16 one (each weight is its master rounded once into
+    this run's dtype, not the other run's rounded weight rounded again). So a resume across ``--bf16`` / ``--fp16``
+    / fp32, or between FSDP2 and the (distributed) optimizer, reads the masters bit for bit instead of refusing (no
+    ``optim/master/X`` saved) or rounding them to the saved bf16 weights. Only with the optimizer state:
+    ``--no-load-optim`` / ``--finetune`` take the weights as saved."""
     out: Pieces = {}
     for key, (shape, views) in pieces.items():
         kind, _, name = key.partition("/")
         master = "optim/master/" + name
-        if kind == "model" and master in saved and all(not keeps_master(v.dtype) for _, v in views):
-            key = master  # this run's fp32 / float64 weight: the checkpoint's master, not its rounded weight
+        if kind == "model" and master in saved and all(_from_master(v.dtype, saved.get(key)) for _, v in views):
+            key = master  # the checkpoint's master, not its rounded weight
         elif key.startswith("optim/master/") and key not in saved:
             key = "model/" + key.removeprefix("optim/master/")  # the checkpoint's weights were its masters
         out.setdefault(key, (shape, []))[1].extend(views)
     return out
+
+
+def _from_master(dtype: torch.dtype, weight) -> bool:
+    """Whether a ``dtype`` weight is read from the checkpoint's master rather than its saved ``weight`` (DCP's
+    metadata): an fp32 / float64 weight (its own master), or one of another dtype than the saved weight."""
+    return not keeps_master(dtype) or not isinstance(weight, dcp_meta.TensorStorageMetadata) or \
+        weight.properties.dtype != dtype
 
 
 def read(pieces: Pieces, path: str, checksums: dict[str, str], *, collective: bool = True,

@@ -13,7 +13,8 @@ from omnitron.core.config.training import PrecisionConfig
 
 
 class ConstantLossScaler:
-    """A fixed scale; overflowing steps are still skipped."""
+    """A fixed scale (--loss-scale); overflowing steps are still skipped. A checkpoint's scale is not loaded: the
+    command line's stays, as Megatron's ConstantGradScaler (a dynamic fp16 scale must not carry into a bf16 run)."""
 
     def __init__(self, scale: float) -> None:
         self.scale = float(scale)
@@ -25,7 +26,7 @@ class ConstantLossScaler:
         return {"scale": self.scale}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale = float(state["scale"])
+        """Nothing: the scale is --loss-scale's, whatever the checkpoint held."""
 
 
 class DynamicLossScaler:
@@ -60,9 +61,28 @@ class DynamicLossScaler:
                 "hysteresis_tracker": self._hysteresis_tracker}
 
     def load_state_dict(self, state: dict) -> None:
+        """A dynamic scaler's state carries over; a constant one's (no trackers: --loss-scale) does not, and the
+        scale starts at --initial-loss-scale (as Megatron's for a checkpoint without a scaler)."""
+        if "growth_tracker" not in state:
+            return
         self.scale = float(state["scale"])
         self._growth_tracker = int(state["growth_tracker"])
         self._hysteresis_tracker = int(state["hysteresis_tracker"])
+
+
+def loaded_scale_note(scaler, saved: dict | None) -> str | None:
+    """One line saying what became of a checkpoint's loss scale ``saved`` under this run's ``scaler`` where it was
+    not taken over (None where it was, or where the checkpoint holds none)."""
+    if saved is None:
+        return None
+    was = f"the checkpoint's loss scale {float(saved['scale']):g}"
+    if scaler is None:
+        return f"{was} is dropped: this run scales no loss"
+    if isinstance(scaler, ConstantLossScaler):
+        return None if float(saved["scale"]) == scaler.scale else f"{was} is not loaded: --loss-scale {scaler.scale:g}"
+    if "growth_tracker" not in saved:
+        return f"{was} was constant (--loss-scale): the dynamic scale starts at --initial-loss-scale {scaler.scale:g}"
+    return None
 
 
 def build_loss_scaler(config: PrecisionConfig, distributed_optimizer: bool = False):

@@ -20,6 +20,7 @@ from omnitron.core.checkpoint.io import MODEL_SHAPE_KEYS, read_shard
 from omnitron.core.checkpoint.name_mismatch import mismatch_error
 from omnitron.core.parallel.pipeline.schedules import schedule_style
 from omnitron.core.parallel.tensor.mappings import local_rank
+from omnitron.core.precision.loss_scaler import loaded_scale_note
 from omnitron.core.training.arguments import resolved_config
 from omnitron.core.training.model_check import check_model_settings
 from omnitron.core.training.outputs import lock_identity, locked_dirs, recheck_lock
@@ -146,6 +147,20 @@ def _masters_from_weights(shard: dict) -> None:
         weight = shard["model"][int(chunk.removeprefix("chunk"))].get(param)
         if "master" not in entry and weight is not None and weight.dtype in (torch.float32, torch.float64):
             entry["master"] = weight
+
+
+def _weights_from_masters(shard: dict, modules) -> None:
+    """Where this run's weight dtype is not the shard's (a resume between --bf16 and --fp16), the weight is taken
+    from the shard's fp32 master, rounded once into the run's dtype, rather than from the shard's bf16 / fp16
+    weight (the master rounded already: rounding it again gives fp16 weights bf16's precision, and bf16 weights
+    another value than the master rounded wherever fp16's rounding lands on a bf16 midpoint)."""
+    live = [m.state_dict() for m in modules]
+    for name, entry in shard["optimizer"]["tensors"].items():
+        chunk, _, param = name.partition(".")  # the optimizer names chunk<c>.<name>
+        c = int(chunk.removeprefix("chunk"))
+        weight, mine = shard["model"][c].get(param), live[c].get(param)
+        if "master" in entry and weight is not None and mine is not None and weight.dtype != mine.dtype:
+            shard["model"][c][param] = entry["master"]
 
 
 def save(c, *, non_persistent: bool = False) -> str:
@@ -291,12 +306,7 @@ def load(c) -> bool:
     if meta.get("ckpt_format") == DIST_FORMAT:
         shard = _load_dist(c, path, meta, changes)
     else:
-        shard = _resharded_shard(c, path, meta) if changes else read_shard(path, c.groups.rank, meta)
-        for m, sd in zip(c.modules, shard["model"]):
-            names = m.state_dict().keys()
-            if names != sd.keys():  # another model's weights: one line naming them (strict loading's is lines)
-                raise mismatch_error(path, names - sd.keys(), sd.keys() - names)
-            m.load_state_dict(sd)
+        shard = _load_torch(c, path, meta, changes)
     if ck.finetune or shard["optimizer"].get("weights_only"):
         c.optimizer.reload_masters()
         if c.groups.rank == 0:
@@ -306,13 +316,13 @@ def load(c) -> bool:
     if ck.no_load_optim:
         c.optimizer.reload_masters()
     else:
+        note = loaded_scale_note(c.optimizer.loss_scaler, shard["optimizer"].get("loss_scaler"))
+        if note and c.groups.rank == 0:
+            log.info("--load %s: %s", path, note)
         if shard["optimizer"].get("loaded"):  # torch_dist: the tensors are in place, the counters remain
             c.optimizer.load_counters(shard["optimizer"])
             c.optimizer.load_rank_state_dict(shard.get("optimizer_rank"))
         else:
-            if not changes:
-                _complete_optimizer_state(path, shard)
-                _masters_from_weights(shard)
             c.optimizer.load_state_dict(shard["optimizer"])
         keep = "command line" if ck.override_opt_param_scheduler else \
             "checkpoint" if ck.use_checkpoint_opt_param_scheduler else None
@@ -338,6 +348,24 @@ def load(c) -> bool:
     if c.groups.rank == 0:
         log.info("resumed from %s (iteration %d, %d samples consumed)", path, c.iteration, c.consumed_samples)
     return True
+
+
+def _load_torch(c, path: str, meta: dict, changes: list) -> dict:
+    """Read a ``torch``-format checkpoint's shard for this rank (cut from the full tensors under another layout)
+    and load its weights into the model; returns the shard (optimizer state completed from the other ranks'
+    files, each entry with its master, under the checkpoint's own layout)."""
+    ck = c.settings.checkpoint
+    shard = _resharded_shard(c, path, meta) if changes else read_shard(path, c.groups.rank, meta)
+    if not (changes or ck.finetune or ck.no_load_optim or shard["optimizer"].get("weights_only")):
+        _complete_optimizer_state(path, shard)
+        _masters_from_weights(shard)
+        _weights_from_masters(shard, c.modules)
+    for m, sd in zip(c.modules, shard["model"]):
+        names = m.state_dict().keys()
+        if names != sd.keys():  # another model's weights: one line naming them (strict loading's is lines)
+            raise mismatch_error(path, names - sd.keys(), sd.keys() - names)
+        m.load_state_dict(sd)
+    return shard
 
 
 def _resharded_shard(c, path: str, meta: dict) -> dict:
