@@ -12,6 +12,11 @@ once in plain torch into the loading run's dtypes. Asserted exactly (every value
   an fp16 run's dynamic scale does not carry into a bf16 (or fp16) run given --loss-scale (before: the run
   scaled by the checkpoint's 1024 instead of --loss-scale 1); a dynamic scaler resuming a constant one's
   checkpoint starts at --initial-loss-scale (before: KeyError 'growth_tracker'); a dynamic state still carries.
+
+Checks that held before: a float64 checkpoint into bf16 / fp16 / bf16-moment runs gives ``Tensor.to`` of each saved
+tensor (NOTE: torch casts float64 to bf16 / fp16 through fp32, so that is the reference, not a correctly rounded
+float64 -> bf16 conversion); a float64 checkpoint written before float64 runs kept float64 state (fp32 masters and
+moments, commit e0cc1e3) resumes in float64, widened exactly.
 """
 from __future__ import annotations
 
