@@ -157,13 +157,13 @@ def test_null_tokenizer_pad_id_flag():
     assert line.startswith("--null-tokenizer-pad-id 7 sets NullTokenizer's pad") and "\n" not in line, line
 
 
-@pytest.mark.parametrize("pad_id", [3, -1])
+@pytest.mark.parametrize("pad_id", [3, -1, 0])  # 0: a pad at id 0 is a pad (only a negative id means none)
 def test_sentencepiece_own_pad_is_the_models(tmp_path, pad_id):
     spm = pytest.importorskip("sentencepiece")
     corpus = tmp_path / "c.txt"
     corpus.write_text("\n".join(f"the whale {i} and the sea {i * 7}" for i in range(200)), encoding="utf-8")
     spm.SentencePieceTrainer.Train(input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=60,
-                                   model_type="bpe", pad_id=pad_id, minloglevel=2)
+                                   model_type="bpe", pad_id=pad_id, unk_id=3 if pad_id == 0 else 0, minloglevel=2)
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
     tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(tmp_path / "sp.model"))
     assert tok.own_pad == (sp.pad_id() if sp.pad_id() >= 0 else None)

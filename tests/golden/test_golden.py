@@ -77,3 +77,22 @@ def test_compare_sees_a_moved_curve():
     assert f"step {step + 1}:" in golden.compare("cpu", {"environment": env, "losses": near}, records, bitwise=True)
     assert golden.compare("cpu", {"environment": other, "losses": near}, records, bitwise=True) is None
     assert f"step {step + 1}:" in golden.compare("cpu", {"environment": env, "losses": far}, records, bitwise=False)
+
+
+def test_compare_without_bitwise_uses_the_bound_and_names_the_nearest_record():
+    """A non-deterministic backend (cuda: bitwise=False) is held within the bound even where its own environment
+    has a record, and a miss names the record nearest to the curve, not another one."""
+    import random
+
+    env, other = {"torch": "0.0", "cpu_capability": "X", "device": "a"}, {"torch": "0.1", "cpu_capability": "X",
+                                                                          "device": "a"}
+    want = [random.uniform(1.0, 5.0) for _ in range(golden.STEPS)]
+    step = random.randrange(golden.STEPS)
+    near = [w * (1 + golden.REL_BOUND / 2) if i == step else w for i, w in enumerate(want)]
+    assert golden.compare("cuda", {"environment": env, "losses": near}, [{"environment": env, "losses": want}],
+                          bitwise=False) is None
+    far = [w * (1 + 3 * golden.REL_BOUND) for w in want]  # 3 bounds from ``want``, 17 from ``farther``
+    farther = [w * (1 - 17 * golden.REL_BOUND) for w in want]
+    records = [{"environment": other, "losses": farther}, {"environment": env, "losses": want}]
+    moved = golden.compare("cuda", {"environment": env, "losses": far}, records, bitwise=False)
+    assert moved is not None and f"nearest golden curve ({env})" in moved, moved

@@ -80,16 +80,18 @@ def _training(pp, extra, root) -> dict:
 
 
 class _LazyGather:
-    """Collectives whose in-place all-gather runs only when its handle is waited on; records the buffers."""
+    """Collectives whose in-place all-gather runs only when its handle is waited on; records the buffers, and the
+    order the gathers were launched in (``launched``: buffer addresses)."""
 
     def __init__(self, coll) -> None:
-        self.coll, self.waits, self.buffers = coll, 0, set()
+        self.coll, self.waits, self.buffers, self.launched = coll, 0, set(), []
 
     def __getattr__(self, name):
         return getattr(self.coll, name)
 
     def all_gather_in_place(self, buffer, group=None, async_op=False):
         self.buffers.add(buffer.data_ptr())
+        self.launched.append(buffer.data_ptr())
         lazy = self
 
         class Handle:
@@ -136,10 +138,12 @@ def _deferred(overlap: bool) -> dict:
                 loss.backward()
             out["losses"].append(loss.item())
         ddp.finish_grad_sync()
-        waits = lazy.waits
+        waits, launched = lazy.waits, len(lazy.launched)
         opt.step(1e-2)
         if step == 0:
             out["waits_in_step"] = lazy.waits - waits
+            where = {b.param_data.data_ptr(): k for k, b in enumerate(ddp.buckets)}  # buckets in backward order
+            out["launch_order"] = [where[ptr] for ptr in lazy.launched[launched:]]
             stale = [p.detach().clone() for p in (first, last)]
             model[0](x.bfloat16())  # the first layer alone: its pre-hook waits for its own bucket only
             mid = [p.detach().clone() for p in (first, last)]
@@ -225,6 +229,9 @@ def test_gather_is_deferred_to_the_forward_pre_hook(results):
         assert ov["buckets"] == 3, "one bucket per linear layer (the test relies on it)"
         assert plain["waits_in_step"] == plain["buckets"] and ov["waits_in_step"] == 0
         assert plain["first"] == [True, True] and plain["last"] == [True, True]
+        # the next forward needs the first layer first: the gathers launch in forward order, the buckets' (laid out
+        # in backward order) reversed, as Megatron's ("all-gathers happen in reverse order of buckets")
+        assert ov["launch_order"] == plain["launch_order"] == [2, 1, 0], (rank, ov["launch_order"])
         assert ov["first"] == [False, True], rank   # stale after the step, current after its own pre-hook
         assert ov["last"] == [False, False], rank   # still stale: its layer has not run
         assert ov["into_model"] and plain["into_model"]
