@@ -40,7 +40,10 @@ def classify(exc: BaseException) -> tuple[str, str]:
     """``(kind, one line)`` for an exception that ended a rank (kinds in the module docstring)."""
     from omnitron.backends.group_agreement import GroupCreationError
     from omnitron.core.training.nonfinite import TrainingStopped
+    from omnitron.core.training.prejoin import PeerNeverJoined
 
+    if isinstance(exc, PeerNeverJoined):  # a reaction to another rank's failure before it joined
+        return "peer", _first_line(exc, 1000)
     if isinstance(exc, (TrainingStopped, GroupCreationError)) or _bad_input(exc):
         return "stopped", _first_line(exc, 1000)
     text = str(exc).lower()
@@ -101,7 +104,10 @@ def refuse(err: BaseException) -> int:
     traceback see ..." 30 lines below it; exit code 2."""
     print(f"{command_name()}: error: {err}", file=sys.stderr)
     if "RANK" in os.environ:
+        from omnitron.core.training.prejoin import announce_failure
+
         write_elastic_report(int(os.environ["RANK"]), "stopped", _first_line(err, 1000))
+        announce_failure(int(os.environ["RANK"]), _first_line(err, 1000))  # its peers stop waiting for it
     return 2
 
 
