@@ -98,11 +98,13 @@ def write_elastic_report(rank: int, kind: str, line: str) -> None:
         log.warning("rank %d: could not write torchrun's error file %s (%s)", rank, path, err)
 
 
-def refuse(err: BaseException) -> int:
+def refuse(err: BaseException, say: bool = True) -> int:
     """A bad setting found before this process joined a job: its line on stderr and, under torchrun (``RANK``
     set), in the agent's error file too, so torchrun's report ends with the cause rather than "To enable
-    traceback see ..." 30 lines below it; exit code 2."""
-    print(f"{command_name()}: error: {err}", file=sys.stderr)
+    traceback see ..." 30 lines below it; exit code 2. ``say=False``: not on stderr (a verdict every rank of the
+    host reaches alike, which its local rank 0 prints)."""
+    if say:
+        print(f"{command_name()}: error: {err}", file=sys.stderr)
     if "RANK" in os.environ:
         from omnitron.core.training.prejoin import announce_failure
 
