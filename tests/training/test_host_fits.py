@@ -127,3 +127,18 @@ def test_a_refusal_is_said_by_local_rank_0_only(local_rank, monkeypatch, capsys,
     assert "the 2 ranks on one host" in (tmp_path / "error.json").read_text()
     if local_rank == "0":
         assert err[0].startswith("omnitron train: error: the model does not fit: the 2 ranks on one host"), err
+
+
+@pytest.mark.parametrize("name", ["cpu", "sim"])
+def test_host_memory_backends_say_so(name):
+    """cpu and sim keep tensors in the host's RAM: their capabilities say so, which is what makes the check sum a
+    host's ranks (a vendor accelerator leaves the default, False). A fresh process: sim takes the PrivateUse1 device,
+    which another test of this session may have given to a test double."""
+    from omnitron.backends.base import Capabilities
+
+    code = ("from omnitron.backends.registry import get_backend; "
+            f"print(get_backend({name!r}).capabilities().host_memory)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.stdout.strip() == "True", out.stderr[-2000:]
+    assert Capabilities.__dataclass_fields__["host_memory"].default is False
