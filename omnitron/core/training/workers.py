@@ -233,9 +233,9 @@ class _LocalSiblings(StartupWatch):
 
 
 def _gone(pid: int) -> bool:
-    """Process ``pid`` has exited (no longer in ``/proc``, or a zombie not yet reaped)."""
+    """Process ``pid`` has exited (no longer in ``/proc``, a zombie not yet reaped, or dead)."""
     cpu = _cpu(pid)
-    return cpu is None or cpu[0] == "Z"
+    return cpu is None or cpu[0] in "ZX"
 
 
 def _sibling_ranks(parent: int, run_id: str) -> dict:
