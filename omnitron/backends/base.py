@@ -50,6 +50,9 @@ class Capabilities:
     """True when streams/events are real (asynchronous); False for the no-op CPU objects."""
     memory_total: int | None = None
     """Device memory in bytes, when known."""
+    host_memory: bool = False
+    """True when the device's memory is the host's RAM (the CPU; a simulated device): every process on the host
+    draws from the one ``memory_total``, whatever device index it runs on."""
     compiler: str | None = None
     """The ``torch.compile`` backend that runs on this device (``"inductor"``: generated fused kernels;
     ``"aot_eager"``: traced graphs run op by op) or None where none was shown to work (``--torch-compile``)."""

@@ -1,5 +1,5 @@
-"""Refuse a model that cannot fit before anything is allocated: a rank's parameters, gradients and optimizer state
-against its device's whole memory.
+"""Refuse a model that cannot fit before anything is allocated: the parameters, gradients and optimizer state of the
+ranks that share one device's memory (one rank a GPU; every rank of a host on cpu / sim) against its whole memory.
 
 An absurd size (``--hidden-size 1000000``) used to die in the allocator during the model build, a raw traceback
 from every rank. The bytes come from the planner's exact count on a meta-device skeleton
@@ -11,54 +11,118 @@ refused; a run near the limit is left to train (and to the memory planner, ``omn
 from __future__ import annotations
 
 import logging
+import os
 
 from omnitron.core.config.parallel import ConfigError
 
 log = logging.getLogger(__name__)
 
 
-def state_peak(settings) -> tuple[int, int]:
-    """``(bytes, pipeline stage)``: the largest parameter + gradient + optimizer-state bytes of one rank, over the
-    stages (tp / dp / cp ranks of a stage hold the same up to the distributed optimizer's slices; the largest
-    slice is counted)."""
+def stage_needs(settings) -> list[int]:
+    """Parameter + gradient + optimizer-state bytes of one rank of each pipeline stage (tp / dp / cp ranks of a
+    stage hold the same up to the distributed optimizer's slices; the largest slice is counted)."""
     from omnitron.plan.memory import model_config
     from omnitron.plan.state import state_bytes
 
     cfg = model_config(settings)
-    best = (0, 0)
+    needs = []
     for r in range(settings.parallel.pipeline_model_parallel_size):
         st = state_bytes(settings, cfg, r)
-        best = max(best, (st.params + st.grads + st.optimizer, r))
+        needs.append(st.params + st.grads + st.optimizer)
+    return needs
+
+
+def state_peak(settings) -> tuple[int, int]:
+    """``(bytes, pipeline stage)``: the largest of :func:`stage_needs`, over the stages."""
+    return max((n, r) for r, n in enumerate(stage_needs(settings)))
+
+
+class DoesNotFit(ConfigError):
+    """The run's state cannot fit: the same verdict on every rank of the job (its local rank 0 says it)."""
+
+
+def local_world(settings) -> int:
+    """Ranks on one host: torchrun's ``LOCAL_WORLD_SIZE`` for a torchrun rank, else ``--nproc-per-node``."""
+    if "RANK" in os.environ:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return settings.nproc_per_node
+
+
+def shared_peak(settings, needs: list[int], local: int, devices: int) -> tuple[int, int]:
+    """``(bytes, ranks)``: the most one device must hold, and how many ranks hold it, over the job's hosts.
+
+    Ranks are placed as torchrun places them: ``local`` consecutive world ranks a host (every host alike), local
+    rank ``l`` on device ``l % devices`` of its host (``devices`` 1: the host's RAM, shared by all); world rank
+    ``r`` is on pipeline stage ``r // (world / pp)`` (pp is the grid's slowest dimension,
+    :mod:`omnitron.core.parallel.grid`)."""
+    world, pp = settings.world_size, len(needs)
+    per_stage = max(1, world // pp)
+    best = (0, 0)
+    for first in range(0, world, local):
+        held = {}
+        for rank in range(first, min(world, first + local)):
+            d = (rank - first) % devices
+            n, k = held.get(d, (0, 0))
+            held[d] = (n + needs[min(pp - 1, rank // per_stage)], k + 1)
+        best = max(best, *held.values())
     return best
 
 
 def check_fits(settings, backend) -> None:
-    """ConfigError when one rank's parameters, gradients and optimizer state alone exceed the total memory of the
-    backend's device (``capabilities().memory_total``, the fact the launcher already asked for: no device memory is
-    touched; no check where the device cannot say, nor for a model family the count cannot build on the meta
-    device: the run then meets its limits as before, and the reason is logged as a warning).
+    """DoesNotFit (a ConfigError) when the parameters, gradients and optimizer state of the ranks that share one
+    device's memory exceed its total (``capabilities().memory_total``, the fact the launcher already asked for: no
+    device memory is touched; no check where the device cannot say, nor for a model family the count cannot
+    build on the meta device: the run then meets its limits as before, and the reason is logged as a warning).
+
+    Who shares: on a device whose memory is the host's (``capabilities().host_memory``: cpu, sim) every rank of
+    the host, :func:`local_world` of them (four torchrun ranks of 6 GiB each on a 16 GiB host used to pass, each
+    rank weighing its own 6 GiB against the host's 16); on an accelerator, the ranks placed on one device (one
+    each where there are devices enough).
 
     Every rank counts (under torchrun too: a rank that skipped it would wait in the process group's start for
     a refused local rank 0, and ignore torchrun's first SIGTERM there: 30 s, then SIGKILL); the count takes well
-    under a second for a 70B model (the meta build skips weight initialisation)."""
-    total = backend.capabilities().memory_total
+    under a second for a 70B model (the meta build skips weight initialisation), and every rank reaches the same
+    verdict (the job's worst device)."""
+    caps = backend.capabilities()
+    total = caps.memory_total
     if not total:
         return
     try:
-        need, stage = state_peak(settings)
+        needs = stage_needs(settings)
     except Exception as err:  # noqa: BLE001  a family's own build, off the meta device: no count, no refusal
         log.warning("the model's state bytes could not be counted before the build (%s: %s); not checked against "
                     "the device's memory", type(err).__name__, err)
         return
+    devices = 1 if getattr(caps, "host_memory", False) else max(1, getattr(backend, "device_count", lambda: 1)())
+    # NOTE: the distributed optimizer's slices of one stage differ by a bucket's padding at most; counting the
+    # largest for every rank of a host may overstate its sum by that many bytes (a run within them of the host's
+    # whole memory would not train anyway: activations come on top)
+    need, ranks = shared_peak(settings, needs, local_world(settings), devices)
     if need <= total:
         return
-    where = f"pipeline stage {stage}'s ranks hold" if settings.parallel.pipeline_model_parallel_size > 1 else \
-        "each rank holds"
-    raise ConfigError(f"the model does not fit: {where} {_size(need)} of parameters, gradients and optimizer "
-                      f"state before any activation, more than the {backend.name} device's {_size(total)}; "
-                      f"shrink the model (--hidden-size, --num-layers, --ffn-hidden-size) or spread it over more "
-                      f"ranks (--tensor-model-parallel-size, --pipeline-model-parallel-size, "
-                      f"--use-distributed-optimizer); omnitron plan prices layouts")
+    raise DoesNotFit(f"the model does not fit: {_holders(settings, needs, need, ranks, caps)} {_size(need)} of "
+                     f"parameters, gradients and optimizer state before any activation, more than the "
+                     f"{backend.name} device's {_size(total)}; shrink the model (--hidden-size, --num-layers, "
+                     f"--ffn-hidden-size) or spread it over more ranks (--tensor-model-parallel-size, "
+                     f"--pipeline-model-parallel-size, --use-distributed-optimizer){_fewer(ranks, caps)}; "
+                     f"omnitron plan prices layouts")
+
+
+def _holders(settings, needs, need, ranks, caps) -> str:
+    """Who holds ``need``: one rank (of which stage), or the ``ranks`` that share one host's or device's memory."""
+    if ranks > 1:
+        where = "one host (its RAM is the device's memory)" if getattr(caps, "host_memory", False) else "one device"
+        return f"the {ranks} ranks on {where} hold together"
+    if settings.parallel.pipeline_model_parallel_size > 1:
+        return f"pipeline stage {needs.index(need)}'s ranks hold"
+    return "each rank holds"
+
+
+def _fewer(ranks: int, caps) -> str:
+    if ranks < 2:
+        return ""
+    return ", or start fewer ranks a host (--nproc-per-node)" if getattr(caps, "host_memory", False) else \
+        ", or give each rank a device of its own"
 
 
 def _size(n: int) -> str:

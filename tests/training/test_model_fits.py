@@ -134,7 +134,7 @@ def test_a_count_that_fails_is_a_warning_naming_the_error(monkeypatch, caplog):
         raise ValueError("no such shape")
 
     monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.setattr(fits, "state_peak", broken)
+    monkeypatch.setattr(fits, "stage_needs", broken)
     with caplog.at_level("WARNING", logger=fits.__name__):
         check_fits(parse_settings(_argv(32, 2, 64), 1), _Device(1))
     assert [r.levelname for r in caplog.records] == ["WARNING"]

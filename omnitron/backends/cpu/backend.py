@@ -102,6 +102,7 @@ class CPUBackend(Backend):
                 peak_flops={"fp32": None, "bf16": None, "fp16": None, "fp8": None},
                 streams=False,
                 memory_total=self.memory_stats()["total"],
+                host_memory=True,
                 compiler="inductor",  # C++/OpenMP code generation (needs a C++ compiler at run time)
             )
         return self._caps

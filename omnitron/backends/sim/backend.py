@@ -218,6 +218,7 @@ class SimBackend(Backend):
                 peak_flops={"fp32": None, "bf16": None, "fp16": None, "fp8": None},
                 streams=True,  # ordered and checked as the module docstring says; kernels run when issued
                 memory_total=_host_memory()[0],
+                host_memory=True,  # every simulated device and the host share it
                 # NOTE: inductor has no code generator for this PrivateUse1 device (its lowering asserts, torch
                 # 2.13, 2026-12-03); aot_eager traces forward and backward graphs and runs them op by op
                 compiler="aot_eager",

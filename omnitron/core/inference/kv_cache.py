@@ -7,7 +7,9 @@ share cache slots: prompts are LEFT-padded to one length, and ``valid [b, slots]
 before each forward) says which slots hold real tokens. A query at slot ``q`` attends to the valid
 slots ``k <= q`` (and to itself, so a padding query never sees an empty row: its output is unused,
 but an all-masked softmax would put NaN into the cache). Without padding the backend's fused
-attention kernel runs as before (causal prefill, then single queries over the whole cache).
+attention kernel runs as before (causal prefill, then single queries over the whole cache); a step of
+several new queries after the prefill (speculative decoding, chunked prefill) takes the causal mask of
+:meth:`KVCache.keep`, with or without padding.
 
 Each layer's slots live in a :class:`SlotBuffer`: storage for ``capacity`` slots (generation passes the
 longest sequence it can reach: prompt width + new tokens) allocated on the first step, each step's
@@ -86,12 +88,12 @@ class KVCache:
         sinks = module.sinks() if hasattr(module, "sinks") else None
         if getattr(module, "window", None) is not None or sinks is not None:
             return self._window_sink(module, q, k, v, sinks)
-        if self.valid is None:
-            if s_new > 1 and s_new != s_all:
-                raise ValueError("KVCache: multi-token steps after the prefill need a validity mask (set .valid)")
+        if self.valid is None and s_new in (1, s_all):  # one query over every slot, or the causal prefill
             return module.backend.kernels.attention(q, k, v, causal=s_new > 1, dropout_p=0.0,
                                                     **({} if scale is None else {"scale": scale}))
-        keep = self.keep(q.shape[0], s_new, s_all, q.device)
+        # NOTE: not the kernel's causal flag for several new queries after the prefill (a speculative or chunked
+        # step): its mask is aligned top-left (query j sees keys 0..j), these queries sit at the last s_new slots
+        keep = self.keep(q.shape[0], s_new, s_all, q.device)  # [b|1, s_new, s_all]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None], enable_gqa=k.shape[1] != q.shape[1],
                                               scale=scale)
 

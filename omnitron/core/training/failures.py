@@ -40,7 +40,10 @@ def classify(exc: BaseException) -> tuple[str, str]:
     """``(kind, one line)`` for an exception that ended a rank (kinds in the module docstring)."""
     from omnitron.backends.group_agreement import GroupCreationError
     from omnitron.core.training.nonfinite import TrainingStopped
+    from omnitron.core.training.prejoin import PeerNeverJoined
 
+    if isinstance(exc, PeerNeverJoined):  # a reaction to another rank's failure before it joined
+        return "peer", _first_line(exc, 1000)
     if isinstance(exc, (TrainingStopped, GroupCreationError)) or _bad_input(exc):
         return "stopped", _first_line(exc, 1000)
     text = str(exc).lower()
@@ -95,13 +98,18 @@ def write_elastic_report(rank: int, kind: str, line: str) -> None:
         log.warning("rank %d: could not write torchrun's error file %s (%s)", rank, path, err)
 
 
-def refuse(err: BaseException) -> int:
+def refuse(err: BaseException, say: bool = True) -> int:
     """A bad setting found before this process joined a job: its line on stderr and, under torchrun (``RANK``
     set), in the agent's error file too, so torchrun's report ends with the cause rather than "To enable
-    traceback see ..." 30 lines below it; exit code 2."""
-    print(f"{command_name()}: error: {err}", file=sys.stderr)
+    traceback see ..." 30 lines below it; exit code 2. ``say=False``: not on stderr (a verdict every rank of the
+    host reaches alike, which its local rank 0 prints)."""
+    if say:
+        print(f"{command_name()}: error: {err}", file=sys.stderr)
     if "RANK" in os.environ:
+        from omnitron.core.training.prejoin import announce_failure
+
         write_elastic_report(int(os.environ["RANK"]), "stopped", _first_line(err, 1000))
+        announce_failure(int(os.environ["RANK"]), _first_line(err, 1000))  # its peers stop waiting for it
     return 2
 
 

@@ -176,8 +176,11 @@ def _wait_for_arrivals(store, world: int, timeout: float) -> None:
     """Wait (up to ``max(timeout, JOIN_TIMEOUT_S)``) for every rank's ``arrived`` key; past that, stop in one line
     naming the ranks that never came. Under torchrun, whose agent does not watch for freezes, the ranks on this
     host that have not arrived are checked once a second as the launcher does (:class:`StartupWatch`): one frozen
-    in start-up stops this rank in one line naming it (torchrun then stops the others)."""
+    in start-up stops this rank in one line naming it (torchrun then stops the others), and so does one that exited
+    (:class:`_LocalSiblings`); a rank refused before joining, on any node, ends the wait within a poll
+    (:func:`prejoin.check_abandoned`)."""
     from omnitron.core.training.nonfinite import TrainingStopped
+    from omnitron.core.training.prejoin import check_abandoned
 
     keys = [f"arrived/{r}" for r in range(world)]
     limit = max(timeout, JOIN_TIMEOUT_S)
@@ -187,6 +190,7 @@ def _wait_for_arrivals(store, world: int, timeout: float) -> None:
     # NOTE: check() and a sleep, not wait() with a short timeout: each timed-out wait() of a TCPStore client
     # prints two C++ warnings ("waitForInput ... timed out"), two lines a second per rank while a peer is late
     while not store.check(keys):
+        check_abandoned(store)
         if time.monotonic() >= give_up:
             missing = [r for r in range(world) if not store.check([f"arrived/{r}"])]
             raise TrainingStopped(f"{rank_list(missing)} did not join the job within {limit:.0f} s (a node that "
@@ -215,6 +219,23 @@ class _LocalSiblings(StartupWatch):
 
     def ranks(self):
         return self.procs.items()
+
+    def check(self, now: float) -> tuple[int, str] | None:
+        """:meth:`StartupWatch.check`; first, a sibling that exited before it arrived raises PeerNeverJoined (its
+        peers used to wait for it until torchrun's agent, whose SIGTERM a rank takes as "stop after this
+        iteration", killed them 30 s later)."""
+        from omnitron.core.training.prejoin import PeerNeverJoined
+
+        for r, p in self.ranks():
+            if r not in self.arrived and _gone(p.pid) and not self.store.check([f"arrived/{r}"]):
+                raise PeerNeverJoined(f"rank {r} (pid {p.pid}) exited before joining the job (its log says why)")
+        return super().check(now)
+
+
+def _gone(pid: int) -> bool:
+    """Process ``pid`` has exited (no longer in ``/proc``, a zombie not yet reaped, or dead)."""
+    cpu = _cpu(pid)
+    return cpu is None or cpu[0] in "ZX"
 
 
 def _sibling_ranks(parent: int, run_id: str) -> dict:

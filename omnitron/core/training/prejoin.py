@@ -1,0 +1,54 @@
+"""Stop waiting for a peer that will never join: a rank refused before joining the job says so in the store.
+
+Under torchrun a rank that fails before it joins (a bad flag seen late, a file missing on its node: the refusal of
+:func:`omnitron.core.training.failures.refuse`) leaves its peers in :func:`~omnitron.core.training.workers.join_job`,
+waiting for its ``arrived`` key. Before, they waited there until torchrun's agent sent SIGTERM, which the rank's
+stop flag takes for "stop after this iteration" (a preemption during start-up stops the job cleanly before its
+first iteration): the wait went on for 30 s, until the agent's SIGKILL; on another node, whose agent sends nothing,
+up to the 300 s join wait. Now the refused rank posts its one line to the job's store (:func:`announce_failure`;
+torchrun's agent hosts the store, so it is up whatever rank failed), and every waiting rank, on any node, stops
+within a poll naming it (:func:`check_abandoned`). A sibling on the same host that exits without a word (a crash)
+is seen by the census of :class:`omnitron.core.training.workers._LocalSiblings`.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+
+FIRST_KEY = "failed/first"
+"""The store key holding the rank that failed first before joining (set once, by compare-and-set)."""
+ANNOUNCE_TIMEOUT_S = 5.0
+"""How long a refused rank tries to reach the store to post its line (a courtesy: its own stderr line stands)."""
+
+
+class PeerNeverJoined(RuntimeError):
+    """This rank stopped waiting for its peers to join: one failed or exited before joining. A reaction to another
+    rank's fault (``peer`` in :func:`omnitron.core.training.failures.classify`)."""
+
+
+def announce_failure(rank: int, line: str) -> None:
+    """Post ``line`` as rank ``rank``'s reason for never joining, in the store torchrun's agent hosts
+    (``TORCHELASTIC_USE_AGENT_STORE``); nothing elsewhere (rank 0 hosts the store outside torchrun's agent, and
+    ``--nproc-per-node`` checks settings in its launcher, before any worker starts)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_PORT" not in os.environ:
+        return
+    import torch.distributed as dist
+
+    from omnitron.core.training.workers import prefixed
+
+    try:
+        store = prefixed(dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                       int(os.environ.get("WORLD_SIZE", "1")), False,
+                                       datetime.timedelta(seconds=ANNOUNCE_TIMEOUT_S)))
+        store.set(f"failed/{rank}", line)
+        store.compare_set(FIRST_KEY, "", str(rank))  # the first one only: later ones may be reactions
+    except Exception:  # noqa: BLE001  the store is gone or unreachable: the peers' own waits and signals apply
+        pass
+
+
+def check_abandoned(store) -> None:
+    """Raise :class:`PeerNeverJoined` naming the rank that posted its failure first (:func:`announce_failure`)."""
+    if store.check([FIRST_KEY]):
+        rank = store.get(FIRST_KEY).decode()
+        line = store.get(f"failed/{rank}").decode()
+        raise PeerNeverJoined(f"rank {rank} failed before joining the job: {line}")

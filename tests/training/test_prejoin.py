@@ -1,0 +1,143 @@
+"""A rank that fails or exits before joining the job ends its peers' wait at once, naming it.
+
+Before, under torchrun, the peers of a rank refused before joining (a bad flag seen late, a file missing on its
+node) waited for its ``arrived`` key: torchrun's SIGTERM was taken for "stop after this iteration", and the agent
+SIGKILLed them 30 s later (48 s for the job below, measured); on another node, up to the 300 s join wait.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from omnitron.core.training import prejoin, workers
+
+POLL_S = workers.STARTUP_POLL_S
+"""The wait's longest pause between its checks: a failure or signal is seen within one (plus a loaded machine's
+scheduling: the bounds below allow two more seconds)."""
+
+
+@pytest.fixture
+def agent_store(monkeypatch):
+    """A store hosted as torchrun's agent hosts it, with the environment a torchrun rank sees."""
+    host = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+    monkeypatch.setattr(workers, "JOIN_TIMEOUT_S", 60.0)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)  # no sibling census (this process has no agent)
+    for k, v in dict(TORCHELASTIC_USE_AGENT_STORE="True", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(host.port),
+                     WORLD_SIZE="2", RANK="0").items():
+        monkeypatch.setenv(k, v)
+    return host
+
+
+def test_a_rank_refused_before_joining_stops_its_peers_wait(agent_store):
+    """Rank 1 posts its refusal 0.5 s into rank 0's wait: rank 0 stops within a poll, naming rank 1 and its line
+    (without the post it waited out the join timeout, here 60 s)."""
+    store = workers.open_store(1.0, is_master=False)
+    store.set("arrived/0", "1")
+    later = threading.Timer(0.5, prejoin.announce_failure, (1, "--vocab-file /x: file not found"))
+    later.start()
+    t0 = time.monotonic()
+    with pytest.raises(prejoin.PeerNeverJoined) as stopped:
+        workers._wait_for_arrivals(store, 2, 1.0)
+    assert time.monotonic() - t0 < 0.5 + POLL_S + 2.0
+    assert str(stopped.value) == "rank 1 failed before joining the job: --vocab-file /x: file not found"
+    from omnitron.core.training.failures import classify
+
+    assert classify(stopped.value)[0] == "peer"  # a reaction: torchrun's report keeps rank 1 as the root cause
+
+
+@pytest.mark.parametrize("reaped", [True, False])
+def test_a_sibling_that_exits_before_joining_stops_the_wait(agent_store, monkeypatch, reaped):
+    """A torchrun sibling (same agent, same run id) killed 0.5 s into rank 0's wait without a word: rank 0 stops
+    within a poll naming it, whether the agent has reaped it yet or it is a zombie (before: it waited for it, and
+    took the agent's SIGTERM for "stop after this iteration" until the SIGKILL 30 s later)."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test-run")
+    monkeypatch.setattr(os, "getppid", os.getpid)  # this process plays torchrun's agent: its children are the ranks
+    env = dict(os.environ, RANK="1")
+    rank1 = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+    try:
+        store = workers.open_store(1.0, is_master=False)
+        store.set("arrived/0", "1")
+
+        def die():
+            rank1.kill()
+            if reaped:
+                rank1.wait()
+
+        threading.Timer(0.5, die).start()
+        t0 = time.monotonic()
+        with pytest.raises(prejoin.PeerNeverJoined) as stopped:
+            workers._wait_for_arrivals(store, 2, 1.0)
+        assert time.monotonic() - t0 < 0.5 + POLL_S + 2.0
+    finally:
+        rank1.kill()
+        rank1.wait()
+    assert str(stopped.value) == f"rank 1 (pid {rank1.pid}) exited before joining the job (its log says why)"
+
+
+def test_no_agent_store_no_post(monkeypatch):
+    """Outside torchrun's agent store (rank 0 would host it; it may be the rank that failed) nothing is posted:
+    no connection is tried, so a refusal never waits on a store that is not there."""
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")  # nothing listens: a connection attempt would take ANNOUNCE_TIMEOUT_S
+    t0 = time.monotonic()
+    prejoin.announce_failure(1, "bad")
+    assert time.monotonic() - t0 < 1.0
+
+
+RANK_SCRIPT = """
+import os, sys, time
+from omnitron.cli import main
+args = ["train", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--num-layers", "2",
+        "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16", "--max-position-embeddings", "16",
+        "--micro-batch-size", "1", "--train-iters", "2", "--no-tensorboard", "--log-dir", sys.argv[1]]
+if os.environ["RANK"] == "1":
+    while not os.path.exists(sys.argv[2]):  # rank 0 is waiting in the join
+        time.sleep(0.05)
+    if sys.argv[3] == "crashed":
+        time.sleep(1.0)  # rank 0's census of its siblings is taken as its wait starts
+        os._exit(3)
+    args += ["--vocab-file", "/nonexistent/vocab.json"]
+sys.exit(main(args))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["refused", "crashed"])
+def test_torchrun_peer_of_a_failed_rank_exits_promptly(tmp_path, how):
+    """A real torchrun job of two ranks; once rank 0 waits in the join, rank 1 is refused (a missing --vocab-file)
+    or crashes (exit code 3, no word): rank 0 exits within seconds with one line naming rank 1 (and the refusal's
+    cause), before torchrun's SIGKILL (which took 30 s after its SIGTERM; 48 s for the refused job, measured)."""
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_SCRIPT)
+    flag = tmp_path / "rank0_waits"
+    sitecustom = tmp_path / "site"
+    sitecustom.mkdir()
+    # rank 0 marks its arrival in the join (a file), so rank 1 fails then and not while rank 0 still imports
+    (sitecustom / "sitecustomize.py").write_text(
+        "import os\nif os.environ.get('RANK') == '0':\n"
+        "    from omnitron.core.training import workers\n    real = workers._wait_for_arrivals\n"
+        f"    def wait(*a, **k):\n        open({str(flag)!r}, 'w').close()\n        return real(*a, **k)\n"
+        "    workers._wait_for_arrivals = wait\n")
+    env = dict(os.environ, OMNITRON_KERNELS="reference",
+               PYTHONPATH=os.pathsep.join([str(sitecustom), os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--monitor-interval", "0.1", str(script), str(tmp_path / "logs"), str(flag), how],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(tmp_path))
+    out, _ = proc.communicate(timeout=150)
+    assert flag.exists(), out[-3000:]
+    took = time.monotonic() - t0
+    assert proc.returncode == 1, out[-3000:]
+    said = "rank 1 failed before joining the job: --vocab-file /nonexistent/vocab.json: file not found" \
+        if how == "refused" else "rank 1 (pid "
+    assert f"rank 0: lost a peer ({said}" in out, out[-3000:]
+    assert "forcefully exiting via 9" not in out and "SIGKILL" not in out, out[-3000:]
+    assert took < 60, took  # imports on a loaded 2-core machine; the SIGKILL path took 30 s more than this run
