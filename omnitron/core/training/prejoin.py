@@ -21,6 +21,18 @@ ANNOUNCE_TIMEOUT_S = 5.0
 """How long a refused rank tries to reach the store to post its line (a courtesy: its own stderr line stands)."""
 
 
+def attempt() -> int:
+    """The restart attempt (torchrun's ``TORCHELASTIC_RESTART_COUNT``; 0 outside torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def prefixed(base):
+    """``base`` (a TCPStore) seen with this attempt's key prefix, as every rank sees it."""
+    import torch.distributed as dist
+
+    return dist.PrefixStore(f"omnitron/attempt_{attempt()}/", base)
+
+
 class PeerNeverJoined(RuntimeError):
     """This rank stopped waiting for its peers to join: one failed or exited before joining. A reaction to another
     rank's fault (``peer`` in :func:`omnitron.core.training.failures.classify`)."""
@@ -33,8 +45,6 @@ def announce_failure(rank: int, line: str) -> None:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_PORT" not in os.environ:
         return
     import torch.distributed as dist
-
-    from omnitron.core.training.workers import prefixed
 
     try:
         store = prefixed(dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),

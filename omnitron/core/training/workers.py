@@ -27,15 +27,11 @@ import time
 from omnitron.core.lifetime import die_with, die_with_parent
 from omnitron.core.training import agreement, failures
 from omnitron.core.training.failures import command_name, rank_list
+from omnitron.core.training.prejoin import prefixed
 from omnitron.core.training.watchdog import Watchdog, collective_timeout_s, distributed_timeout_s, heartbeat_interval
 
 HOSTED_STORE_ENV = "OMNITRON_LAUNCHER_STORE"
 """Set by the launcher for its workers: the store is hosted by the launcher, every rank is a client."""
-
-
-def attempt() -> int:
-    """The restart attempt (torchrun's ``TORCHELASTIC_RESTART_COUNT``; 0 outside torchrun)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 STARTUP_POLL_S = 1.0
@@ -74,13 +70,6 @@ def open_store(timeout_s: float, is_master: bool):
     base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
                          is_master, wait, multi_tenant=is_master)
     return prefixed(base)
-
-
-def prefixed(base):
-    """``base`` (a TCPStore) seen with this attempt's key prefix, as every rank sees it."""
-    import torch.distributed as dist
-
-    return dist.PrefixStore(f"omnitron/attempt_{attempt()}/", base)
 
 
 def _store_hosted_elsewhere() -> bool:
