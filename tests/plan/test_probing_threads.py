@@ -3,12 +3,10 @@ process's settings are back as they were once both are done (:data:`omnitron.pla
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
-import omnitron.backends
 from omnitron.core.parallel.groups import host_backend
 from omnitron.plan import measure
 
@@ -16,28 +14,21 @@ WAIT = 2.0
 """Seconds a thread waits for the other's step; a thread that waits this long goes on (so nothing hangs)."""
 
 
-def _device_backend():
-    """A stand-in for a non-host backend whose kernel table resolves every op to its reference implementation (the
-    host's table resolves most to its C++ kernels, so :func:`measure._backend_kernels` pins them) and whose dropout
-    is fused (so :func:`measure._fused_dropout` replaces ``F.dropout``)."""
-    return SimpleNamespace(device=lambda: SimpleNamespace(type="sim"),
-                           kernels=SimpleNamespace(resolved=lambda op: "reference"))
-
-
 def _inside() -> tuple[str, bool, int]:
     """What a probe sees: the host's rms_norm kernel, whether ``F.dropout`` saves a boolean mask, the thread count."""
     return host_backend().kernels.resolved("rms_norm"), F.dropout is measure._dropout, torch.get_num_threads()
 
 
-def test_two_threads_probing_keep_their_settings(monkeypatch):
+def test_two_threads_probing_keep_their_settings(reference_kernel_backend):
     """Thread A probes; thread B starts a probe while A's runs and looks at its settings only after A's probe has
-    ended (or after ``WAIT`` s). Each must see the reference kernels pinned, the mask-saving dropout and one thread,
-    and afterwards the process must have its own back. Without a lock B entered beside A, A's exit put back the
-    settings from before both (B saw ``cpp`` and the host's dropout, 2026-12-07) and B's exit then put back A's
-    (the pins and the replaced dropout stayed for good)."""
-    monkeypatch.setattr(omnitron.backends, "get_backend", _device_backend)
+    ended (or after ``WAIT`` s), on a backend whose kernel table the probes pin (every op its reference, where the
+    host's resolves most to its C++ kernels) and whose dropout is fused (``F.dropout`` replaced). Each must see the
+    reference kernels pinned, the mask-saving dropout and one thread, and afterwards the process its own settings.
+    Without a lock B entered beside A, A's exit put back the settings from before both (B saw ``cpp`` and the host's
+    dropout, 2026-12-07) and B's exit then put back A's (the pins and the replaced dropout stayed for good)."""
     table = host_backend().kernels
-    threads, saved, dropout = torch.get_num_threads(), (table.pins, table._cache), (F.dropout, F.scaled_dot_product_attention)
+    threads, saved = torch.get_num_threads(), (table.pins, table._cache)
+    dropout = F.dropout, F.scaled_dot_product_attention
     torch.set_num_threads(2)
     before = _inside()
     assert before == ("cpp", False, 2), "the host's rms_norm must resolve to its C++ kernel for this test to probe"
