@@ -76,16 +76,18 @@ def gemm_dtype(settings, cfg, name: str, dt: str) -> str:
 
 def casts(settings, gemms) -> tuple[list, list]:
     """(forward, backward) ``(op, elements)`` of the FP8 quantizations feeding ``gemms`` (``(name, m, n, k)``, one
-    micro-batch's forward GEMMs): per quantized tensor its :data:`AMAX` and its cast; empty without FP8."""
+    micro-batch's forward GEMMs): per quantized tensor its :data:`AMAX` and its cast; empty without FP8. A GEMM
+    with no rows (a routed expert that gets none) still quantizes its weight (``expert_mlp`` runs it: its amax
+    joins the reductions); its empty input and gradient read nothing and are left out."""
     if settings.fp8 is None:
         return [], []
-    fp8 = [(m, n, k) for name, m, n, k in gemms if name not in WIDE and m * n * k > 0]
+    fp8 = [(m, n, k) for name, m, n, k in gemms if name not in WIDE and n * k > 0]
     if settings.fp8.fp8_recipe == "blockwise":
         cast, fwd = CAST_BLOCK, [e for m, n, k in fp8 for e in (m * k, k * n)]
         bwd = [e for m, n, k in fp8 for e in (m * n, m * n, m * k)]  # dgrad's and wgrad's gradient, wgrad's input
     else:
         cast, fwd, bwd = CAST, [e for m, n, k in fp8 for e in (m * k, k * n)], [m * n for m, n, _ in fp8]
-    return ([(op, e) for e in fwd for op in (AMAX, cast)], [(op, e) for e in bwd for op in (AMAX, cast)])
+    return ([(op, e) for e in fwd if e for op in (AMAX, cast)], [(op, e) for e in bwd if e for op in (AMAX, cast)])
 
 
 def describe(settings) -> str | None:

@@ -339,7 +339,7 @@ def chunk_linears(settings, cfg, pp_rank: int) -> dict[int, dict[tuple[int, str]
             o, k = m.weight.shape
             saved = SAVED_INPUT * k * t + own_scale(settings.fp8) if settings.fp8.per_tensor else 0
             was = 0 if name[d.end():] in kept else e * k * t  # another op keeps the input: the FP8 copy is extra
-            has_bias = gemm_bias(m)
+            has_bias = gemm_bias(m, name, cfg)
             out[c][(len(flags) - 1 - i, name[d.end():])] = (o, k, was - saved if saved else 0, saved, t, has_bias)
     return out
 

@@ -92,9 +92,10 @@ def probe_experts(settings, cfg, layer) -> dict[str, tuple[int, int, float, floa
     for name, m in linear_modules(layer):
         routed = ROUTED.match(name)
         if routed:
-            shapes.setdefault(f"fc{routed.group(2)}", (*m.weight.shape, routed.group(2) == "1" and gemm_bias(m)))
+            fc1 = routed.group(2) == "1"
+            shapes.setdefault(f"fc{routed.group(2)}", (*m.weight.shape, fc1 and gemm_bias(m, name, cfg)))
         elif name in SHARED:
-            shapes[name] = (*m.weight.shape, gemm_bias(m))
+            shapes[name] = (*m.weight.shape, gemm_bias(m, name, cfg))
     experts = probe_num_experts(cfg, tp, etp)
     rows = T * cfg.moe_router_topk / experts
     out = {}

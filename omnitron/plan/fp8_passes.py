@@ -186,12 +186,22 @@ def blockwise_forward(t: int, out: int, inp: int, e: int, native: bool, bias: bo
     return max(p, q + (0 if native else _block_mm(t, inp, out)) + y, q + y + bias_add(y, bias))
 
 
-def gemm_bias(m) -> bool:
-    """Whether linear module ``m`` hands its bias to its GEMM (the FP8 executor then adds it after the GEMM and makes
-    its gradient): not where ``skip_bias_add`` returns it to a fused op (bias-dropout-add, bias-activation), nor where
-    a row-parallel linear over more than one rank adds it after the reduction (``tensor/layers.py``)."""
+def gemm_bias(m, name: str = "", cfg=None) -> bool:
+    """Whether linear module ``m`` (``name`` in its layer) hands its bias to its GEMM (the FP8 executor then adds it
+    after the GEMM and makes its gradient): not where ``skip_bias_add`` returns it to a fused op (bias-dropout-add,
+    bias-activation), nor where a row-parallel linear over more than one rank adds it after the reduction
+    (``tensor/layers.py``). An MLP's fc1 (``name`` ending ``linear_fc1``, ``cfg`` its model's config) skips it as
+    this process's backend builds it (:func:`~omnitron.core.transformer.mlp.fused_activation` on its kernel table),
+    not as ``m`` does: the plan's skeletons are built on the host's table (its C++ SwiGLU fuses the bias, sim's and
+    the GPUs' reference SwiGLU does not; the GPUs' Triton GeLU does, the host's reference does not)."""
+    from omnitron.backends import get_backend
     from omnitron.core.parallel.tensor.layers import RowParallelLinear
+    from omnitron.core.transformer.mlp import fused_activation
 
-    if getattr(m, "bias", None) is None or getattr(m, "skip_bias_add", False):
+    if getattr(m, "bias", None) is None:
+        return False
+    if cfg is not None and name.endswith("linear_fc1"):
+        return not fused_activation(cfg, get_backend().kernels)
+    if getattr(m, "skip_bias_add", False):
         return False
     return not isinstance(m, RowParallelLinear) or m.group.size == 1

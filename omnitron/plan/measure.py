@@ -8,6 +8,7 @@ storages are left out (they are counted as parameters, not activations).
 from __future__ import annotations
 
 import math
+import threading
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -84,13 +85,22 @@ def _fused_dropout():
         F.dropout, F.scaled_dot_product_attention = before
 
 
+_PROBING = threading.RLock()
+"""Held by :func:`probing` for its whole body: the settings it changes are the process's (the thread count, the host
+kernel table's pins, ``F.dropout``), each saved on entry and put back on exit, so two threads' probes interleaved
+would put back each other's (the first out unpins the kernels the second still measures with; the last out leaves
+its saved copy of the pins behind for good). Re-entrant: a probe may run another inside it on its own thread."""
+
+
 @contextmanager
 def probing():
     """A probe's context: one intra-op thread (:func:`one_thread`), the backend's kernels where the host has them
     (:func:`_backend_kernels`) and, where the backend's dropout is fused (:func:`fused_dropout_device`), dropout
     saving its boolean mask as there (measured 2026-12-06 on sim: the host's fp32 masks put a 4-layer h128 GPT-2's
-    planned step peak 15% above the device's)."""
-    with one_thread(), _backend_kernels(), (_fused_dropout() if fused_dropout_device() else nullcontext()):
+    planned step peak 15% above the device's). One thread's probes at a time (:data:`_PROBING`): threads planning
+    at once take turns."""
+    with _PROBING, one_thread(), _backend_kernels(), \
+            (_fused_dropout() if fused_dropout_device() else nullcontext()):
         yield
 
 

@@ -122,6 +122,9 @@ class StageMemory:
     step: int = 0
     """The optimizer step's temporaries (:mod:`.optimizer_step`): the step runs after backward freed the
     activations, so the total takes the larger of it and the micro-batches' terms."""
+    probed: bool = True
+    """Whether backward's transients were probed; False where they were not run (``transients=False``) or their logs
+    did not align (warned): ``transient`` and ``w_inputs`` are then 0 and the total is short of the step's peak."""
 
     @property
     def total(self) -> int:
@@ -667,7 +670,7 @@ def estimate(settings, transients: bool = True, load=None, device=None) -> list[
         m = StageMemory(r, sum(layers[(r, c)] for c in range(vp)), st.params, st.grads, st.optimizer,
                         round(act_peak), round(logit_peak), fp8_bytes(settings, cfg, r), rec, most, excess - rec,
                         round(send_in_flight(schedule, r, output_bytes(settings, cfg, False))), w_inputs=round(w_peak),
-                        step=st.step)
+                        step=st.step, probed=probed)
         if rank is not None:  # the same stage at balanced routing, for the comparison printed beside it
             plain = _held(settings, cfg, schedule, r, ends, (layers, moe), None, None, less, w, pairs)
             m = replace(m, ep_rank=rank, balanced=m.total - round(act_peak + w_peak - plain[0] - plain[4])

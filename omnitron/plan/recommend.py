@@ -295,6 +295,9 @@ def format_choices(choices: list[Choice], devices: int, memory: int) -> str:
         rows.append(f"   launch: --nproc-per-node {devices} (or torchrun's world) {launch_flags(c)}")
     rows += [f"assumption (#1): {a}" for a in choices[0].step.assumptions]
     rows += [f"fallback: {n}" for n in choices[0].step.notes]
+    short = [i for i, c in enumerate(choices, 1) if not all(s.probed for s in c.stages)]
     rows.append(f"fits {memory / 2**30:.4g} GiB per device by omnitron plan's memory model, backward's transients "
-                "included (every stage)")
+                + ("included (every stage)" if not short else
+                   f"left out on #{', #'.join(map(str, short))} (their transient probes did not align, warned above): "
+                   "those totals are short of the step's peak"))
     return "\n".join(rows)

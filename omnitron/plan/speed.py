@@ -20,7 +20,8 @@ attention is its ring's steps,
 4. **Overlap** is an assumption (``--assume-overlap``): ``none`` adds every communication to the
    critical path; ``dp`` hides each chunk's gradient reduction behind the backward work that follows its
    readiness on the pipeline's timeline (``--overlap-grad-reduce``: a chunk's buckets during its last backward,
-   the later chunks' behind the earlier chunks' cool-down; :mod:`omnitron.plan.dp_overlap`); ``all`` also hides
+   the later chunks' behind the earlier chunks' cool-down, the expert gradients' after the rank's last backward;
+   :mod:`omnitron.plan.dp_overlap`); ``all`` also hides
    the distributed optimizer's parameter all-gather behind the next step's forward, layer by layer
    (``--overlap-param-gather``), and tp / cp / pp communication behind the compute it runs beside (a stage's
    cost is ``max(compute, communication)``).
@@ -180,6 +181,19 @@ def _layer(settings, cfg, rates, moe: bool, row: int | None = None) -> StageCost
     return out
 
 
+def layer_gemms(settings, cfg, moe: bool, share=None) -> list[tuple[str, int, int, int]]:
+    """(name, m, n, k) of one layer's forward GEMMs per micro-batch on one rank, as priced: the dense layer's
+    (:func:`work.layer_gemms`), or attention's qkv and proj, then the MoE MLP's (:func:`moe_work.moe_gemms`;
+    ``share``: a routing histogram's row, None balanced)."""
+    pc = settings.parallel
+    tp, sp = pc.tensor_model_parallel_size, pc.sequence_parallel
+    x = work.local_shapes(cfg, tp, pc.context_parallel_size, settings.training.micro_batch_size)
+    if not moe:
+        return work.layer_gemms(x)
+    m = moe_work.moe_local(cfg, x, pc.expert_model_parallel_size, pc.etp, sp, share)
+    return work.layer_gemms(x)[:2] + moe_work.moe_gemms(m)
+
+
 def _layer_routed(settings, cfg, rates, moe: bool, share) -> StageCost:
     """:func:`_layer` with a MoE layer's routing given by ``share`` (None: balanced)."""
     pc = settings.parallel
@@ -191,11 +205,10 @@ def _layer_routed(settings, cfg, rates, moe: bool, share) -> StageCost:
     cpw = cp_comm.cp_work(x, elem, pc.cp_comm_type, cp_comm.a2a_size(pc))
     ring = cp > 1 and rates.ring_block_s(dt, 1.0, True, cfg.attention_dropout > 0, threads) is not None
     separate = not ring and not rates.fused_attention_dropout(threads)  # the probabilities' dropout, unpriced yet
-    gemms, ew = work.layer_gemms(x), work.layer_elementwise(cfg, x, sp, attention_dropout=separate)
+    gemms, ew = layer_gemms(settings, cfg, moe, share), work.layer_elementwise(cfg, x, sp, attention_dropout=separate)
     if moe:
         m = moe_work.moe_local(cfg, x, pc.expert_model_parallel_size, pc.etp, sp, share)
         act = "silu_mul" if cfg.swiglu else "gelu"
-        gemms = gemms[:2] + moe_work.moe_gemms(m)  # attention's qkv and proj, then the MoE MLP
         ew = [e for e in ew if e[0] != act] + moe_work.moe_elementwise(cfg, m)
     gemm = sum(rates.gemm_s(fp8.gemm_dtype(settings, cfg, name, dt), mm, n, k, threads)
                for name, mm, n, k in gemms) * slow
@@ -390,6 +403,12 @@ def dp_collectives(settings, cfg, pp_rank: int, layers) -> list[tuple[str, int, 
     ``max(40M, 1M x group)``) elements padded to a multiple of the group, and with a reduce-scatter (the
     distributed optimizer, ``--ddp-reduce-scatter``) the tied embedding in a bucket of its own. Each bucket is
     all-reduced, or reduce-scattered and its parameters all-gathered with ``--use-distributed-optimizer``."""
+    return [c[1:] for c in _dp_collectives(settings, cfg, pp_rank, layers)]
+
+
+def _dp_collectives(settings, cfg, pp_rank: int, layers) -> list[tuple[str, str, int, int]]:
+    """:func:`dp_collectives`, each led by its group's name (``dp``: the dense gradients', ``edp``: the
+    experts')."""
     from omnitron.core.models.gpt.config import padded_vocab_size
     from omnitron.core.parallel.data.config import bucket_elements
 
@@ -403,25 +422,25 @@ def dp_collectives(settings, cfg, pp_rank: int, layers) -> list[tuple[str, int, 
     iso = padded_vocab_size(cfg, tp) // tp * cfg.hidden_size if tied and (dist or bool(ddp and ddp.reduce_scatter)) \
         else 0
     out = []
-    for n, group, own in ((dense - iso, settings.dp * pc.context_parallel_size, [iso] if iso else []),
-                          (expert, expert_data_parallel_size(settings), [])):
+    for name, n, group, own in (("dp", dense - iso, settings.dp * pc.context_parallel_size, [iso] if iso else []),
+                                ("edp", expert, expert_data_parallel_size(settings), [])):
         if group <= 1 or n + sum(own) <= 0:
             continue
         bucket = bucket_elements(ddp, group)
         sizes = [bucket] * int(n // bucket) + ([int(n % bucket)] if n % bucket else []) + own
         for size in (-(-int(k) // group) * group for k in sizes):
-            out += [("reduce_scatter", size * g_elem, group), ("all_gather", size * p_elem, group)] if dist else \
-                [("all_reduce", size * g_elem, group)]
+            out += [(name, "reduce_scatter", size * g_elem, group), (name, "all_gather", size * p_elem, group)] \
+                if dist else [(name, "all_reduce", size * g_elem, group)]
     return out
 
 
-def dp_parts(settings, cfg, rates, pp_rank: int, layers) -> tuple[float, float]:
-    """(gradient reduction, parameter all-gather) seconds of :func:`dp_collectives` at the report's rates."""
-    dense = settings.dp * settings.parallel.context_parallel_size
-    out = [0.0, 0.0]
-    for op, n, g in dp_collectives(settings, cfg, pp_rank, layers):
-        out[op == "all_gather"] += rates.comm_s(op, n, g, group="dp" if g == dense else "edp")
-    return out[0], out[1]
+def dp_parts(settings, cfg, rates, pp_rank: int, layers) -> tuple[float, float, float]:
+    """(the dense gradients' reduction, parameter all-gather, the expert gradients' reduction) seconds of
+    :func:`dp_collectives` at the report's rates."""
+    out = [0.0, 0.0, 0.0]
+    for group, op, n, g in _dp_collectives(settings, cfg, pp_rank, layers):
+        out[1 if op == "all_gather" else 2 * (group == "edp")] += rates.comm_s(op, n, g, group=group)
+    return out[0], out[1], out[2]
 
 
 def pair_credit(costs: dict[int, StageCost], overlap: str):
@@ -556,8 +575,10 @@ def predict(settings, rates, overlap: str = "none") -> StepTime:
     if overlap == "none":
         dp = max(sum(d) for _, d in own.values())
     else:
-        dp = dp_overlap.exposed(tl, {r: (*own[r][1], _shares(per_rank[r], overlap),
-                                         max(len(layers[(r, c)]) for c in range(vp))) for r in range(pp)}, overlap)
+        shares = {r: _shares(per_rank[r], overlap) for r in range(pp)}
+        dp = dp_overlap.exposed(tl, {r: (*own[r][1][:2], shares[r], _pieces(settings, cfg, r, held[r], shares[r],
+                                                                            [len(layers[(r, c)]) for c in range(vp)]),
+                                         own[r][1][2]) for r in range(pp)}, overlap)
     dp += _embedding_sync(settings, cfg, rates)
     total = tl.makespan + dp + opt
     tokens = settings.training.global_batch_size * cfg.seq_length
@@ -565,6 +586,21 @@ def predict(settings, rates, overlap: str = "none") -> StepTime:
                     parts["ep"],
                     dp, opt, tl.makespan - busy[crit], tokens / total, assumptions(settings, rates, overlap),
                     list(rates.notes))
+
+
+def _pieces(settings, cfg, pp_rank: int, held, shares: list[float], layers: list[int]) -> list[int]:
+    """Per chunk of a rank of stage ``pp_rank`` (its layers' MoE flags ``held``; each chunk's ``shares`` of its
+    gradients and its ``layers``): the pieces its reduction becomes ready in over its last backward
+    (:mod:`.dp_overlap`): one a layer, but no more than its gradient buckets (:class:`GradBuffer` closes a bucket
+    at ``--ddp-bucket-size`` elements in backward order and reduces it once its last gradient is ready), the dense
+    and the expert gradients bucketed apart (each chunk's share of the rank's, as its share of the backward)."""
+    from omnitron.core.parallel.data.config import bucket_elements
+
+    dense, expert = stage_param_groups(cfg, settings, pp_rank, held)
+    groups = [(n, g) for n, g in ((dense, settings.dp * settings.parallel.context_parallel_size),
+                                  (expert, expert_data_parallel_size(settings))) if n > 0 and g > 1]
+    return [max(1, min(n, sum(math.ceil(e * w / bucket_elements(settings.ddp, g)) for e, g in groups)))
+            for w, n in zip(shares, layers)]
 
 
 def _shares(chunks: list, overlap: str) -> list[float]:
@@ -603,7 +639,8 @@ def _embedding_sync(settings, cfg, rates) -> float:
 def assumptions(settings, rates, overlap: str) -> list[str]:
     threads, slow = _threads(settings, rates)
     what = {"none": "every communication on the critical path",
-            "dp": "dp gradient reduction hidden behind the backward after each chunk's last one",
+            "dp": "dp gradient reduction hidden behind the backward after each chunk's last one, bucket by bucket; "
+                  "the experts' after the rank's last backward",
             "all": "all communication hidden behind compute where shorter (a pipeline message still reaches its "
                    "receiver a transfer later); parameter all-gather behind the next forward"}
     out = [f"overlap: {overlap} ({what[overlap]})"] + ([fp8.describe(settings)] if settings.fp8 is not None else [])

@@ -276,9 +276,30 @@ def _timeline(p: Probe, fp8=None) -> list[tuple[str | None, int]]:
     step (``per_step``); under ``delayed``, the logged pass runs a step after the first (the reducer primed: each cast
     with its role's scale in force) with the weights' FP8 form cached at that step's scales, as every micro-batch of
     training after a step's first. Run as a probe (:func:`~omnitron.plan.measure.probing`: dropout as the
-    backend's)."""
-    with probing():
+    backend's), with the cyclic garbage collector on from a full collection (:func:`_collector_from_empty`)."""
+    with probing(), _collector_from_empty():
         return _logged(p, fp8)
+
+
+@contextlib.contextmanager
+def _collector_from_empty():
+    """Python's cyclic collector on for the block, after a full collection (its previous state restored after).
+    Some of a probe's storages are held by reference cycles until the collector frees them, so a probe's log
+    depends on the collector: with it paused (a layout search pauses it, :func:`omnitron.plan.recommend.
+    collector_paused`) a Mixtral-like MoE probe (h256, 2 layers, s32) kept two storages to its end that its
+    sequence-doubled twin freed, the logs did not align and the estimate left backward's transients out
+    (2026-12-07: Mixtral 8x7B at tp1 on 64 devices, the search and, through the probe cache, later ``--layout``
+    runs). From an empty collection, its passes fall at the same events of a probe and its doubled twins."""
+    import gc
+
+    was = gc.isenabled()
+    gc.collect()
+    gc.enable()
+    try:
+        yield
+    finally:
+        if not was:
+            gc.disable()
 
 
 def _logged(p: Probe, fp8=None) -> list[tuple[str | None, int]]:

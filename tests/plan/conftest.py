@@ -54,3 +54,21 @@ def constant_rates():
 def constant_reports():
     """``constant_reports(tmp_path, tflops, ms_per_mb)`` -> the report paths behind :func:`constant_rates`."""
     return _constant_reports
+
+
+def _no_fused_kernels_backend():
+    """A stand-in for a device backend (sim's kernel table: its SwiGLU, GeLU and the rest resolve to the reference
+    implementations, which the host has too) whose dropout is fused."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(device=lambda: SimpleNamespace(type="sim"),
+                           kernels=SimpleNamespace(resolved=lambda op: "reference"))
+
+
+@pytest.fixture
+def reference_kernel_backend(monkeypatch):
+    """This process's backend replaced by :func:`_no_fused_kernels_backend` (``omnitron.backends.get_backend``, which
+    the plan and its probes read at call time)."""
+    import omnitron.backends
+
+    monkeypatch.setattr(omnitron.backends, "get_backend", _no_fused_kernels_backend)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+from contextlib import nullcontext
 
 import pytest
 
@@ -526,6 +527,28 @@ def test_bias_flags_follow_the_executor_calls(extra):
     not reach it. Before 2026-12-07 the entries said ``m.bias is not None`` (SwiGLU's fc1: priced with a bias it does
     not get) and an MoE layer's experts carried no bias field (the shared expert's and the experts' fc1 biases never
     priced)."""
+    planned, called = _planned_and_called_biases(extra)
+    assert planned == called and any(called.values())
+
+
+@pytest.mark.parametrize("extra", [["--swiglu"], MOE_BIAS, []], ids=["swiglu", "moe", "gelu"])
+def test_bias_flags_follow_a_device_kernel_table(extra, reference_kernel_backend):
+    """As :func:`test_bias_flags_follow_the_executor_calls` on a backend without the host's fused activation kernels
+    (sim's table: its SwiGLU is the reference, which the MLP's fc1 does not hand its bias; the chunk built as the plan's
+    probes build it, :func:`~omnitron.plan.measure.probing`'s pins). The plan's skeletons are built on the host's table
+    (its C++ SwiGLU takes the bias), so before 2026-12-07 the fc1s of a SwiGLU model (the shared expert's and the
+    routed experts' too) were priced without the bias add in the forward and the bias gradient in the backward."""
+    from omnitron.plan.measure import probing
+
+    planned, called = _planned_and_called_biases(extra, probing)
+    assert planned == called and any(called.values())
+
+
+def _planned_and_called_biases(extra: list[str], probe=nullcontext) -> tuple[dict, dict]:
+    """({(layer from the top, name): whether the plan prices a bias in the linear's FP8 GEMM}, {the same: whether the
+    FP8 executor is called with one}) of a 2-layer bf16 tensorwise model of ``extra``'s flags, one forward of the
+    probe chunk built and run inside ``probe()`` (the plan's entries are made outside it, as the estimate makes
+    them)."""
     import torch
 
     from omnitron.core.precision.fp8.enable import enable_fp8
@@ -544,8 +567,6 @@ def test_bias_flags_follow_the_executor_calls(extra):
     settings = parse_settings(argv, 1)
     cfg = experts_as_run(settings, model_config(settings))
     planned = {key: entry[5] for key, entry in chunk_linears(settings, cfg, 0)[0].items()}
-    m = _chunk(Probe(transient_probe(cfg, cfg, 1, 1, 1) if cfg.num_experts else cfg, 2, True, True, 16, 1))
-    names = {id(ex): name for name, ex in enable_fp8(m, settings.fp8, None, num_layers=2, per_step=True).items()}
     called, real = {}, FP8Linear.__call__
 
     def call(ex, x, weight, bias=None):
@@ -556,11 +577,15 @@ def test_bias_flags_follow_the_executor_calls(extra):
 
     FP8Linear.__call__ = call
     try:
-        tokens = torch.randint(0, 64, (1, 16))
-        m(tokens=tokens, position_ids=torch.arange(16)[None], labels=tokens)
+        with probe():
+            m = _chunk(Probe(transient_probe(cfg, cfg, 1, 1, 1) if cfg.num_experts else cfg, 2, True, True, 16, 1))
+            names = {id(ex): name for name, ex in enable_fp8(m, settings.fp8, None, num_layers=2,
+                                                             per_step=True).items()}
+            tokens = torch.randint(0, 64, (1, 16))
+            m(tokens=tokens, position_ids=torch.arange(16)[None], labels=tokens)
     finally:
         FP8Linear.__call__ = real
-    assert planned == called and any(called.values())
+    return planned, called
 
 
 def _tp2_sp_fp8_saved(cases: list[list[str]]) -> list[tuple[int, float]]:

@@ -91,6 +91,19 @@ def test_step_peak_with_the_overlap_at_ep2(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("fp8", [["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
+                                 ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]],
+                         ids=["tensorwise", "blockwise"])
+def test_step_peak_with_the_overlap_at_ep2_fp8(fp8, tmp_path):
+    """The ep2 case with FP8 experts (bf16): the pair is replayed from the wide probe log (module docstring of
+    ``plan/moe_overlap.py``: the FP8 linears' own tensors in the pair not modelled) while the rest of the estimate
+    prices FP8; measured 2026-12-07 on cpu: tensorwise +0.24% / +1.40% on the two ranks, blockwise +2.11% on rank
+    0, inside ``_check_overlap``'s bound."""
+    _check_overlap(tmp_path, 2, ["--global-batch-size", "8", "--bf16", *fp8])
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_step_peak_with_the_overlap_at_ep2_pp2(tmp_path):
     """The same at pp2 (4 ranks, 1F1B combined), 8 micro-batches of 1 a pipeline."""
     _check_overlap(tmp_path, 4, ["--pipeline-model-parallel-size", "2", "--global-batch-size", "16"])

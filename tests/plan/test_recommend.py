@@ -229,6 +229,30 @@ def test_per_stage_memory_prints_runs_once():
     assert expanded == values
 
 
+def test_fit_line_says_where_the_transients_were_left_out(tmp_path, constant_rates):
+    """The search's last line claims backward's transients in every listed stage only where they were probed: a
+    stage whose transient probes did not align (``StageMemory.probed`` False: the estimate warned and left them out,
+    as for Mixtral 8x7B at tp1 on 64 devices, 2026-12-07) is named as short. Before, the line said "included (every
+    stage)" whatever the probes did."""
+    from dataclasses import replace
+
+    from omnitron.commands.plan import settings_of
+    from omnitron.plan.layouts import Choice
+    from omnitron.plan.memory import estimate
+    from omnitron.plan.recommend import format_choices
+    from omnitron.plan.speed import predict
+
+    s = settings_of({"model": "gpt2_tiny", "mock_data": True, "tokenizer_type": "NullTokenizer", "vocab_size": 200,
+                     "layout": "pp2", "global_batch_size": 8})
+    stages, step = estimate(s), predict(s, constant_rates(tmp_path, 0.5, 1.0))
+    assert all(m.probed for m in stages)
+    short = [stages[0], replace(stages[1], probed=False, transient=0)]
+    out = format_choices([Choice({}, s, step, stages), Choice({}, s, step, short)], 2, 2**30).splitlines()[-1]
+    assert out.endswith("backward's transients left out on #2 (their transient probes did not align, warned above): "
+                        "those totals are short of the step's peak"), out
+    assert format_choices([Choice({}, s, step, stages)], 2, 2**30).endswith("included (every stage)")
+
+
 def test_layout_names_say_which_recomputation():
     """The listed name tells full recomputation (every layer), block (the first K layers of each chunk) and
     selective apart: they differ in speed and memory, and the launch flags alone are long to read."""

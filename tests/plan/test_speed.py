@@ -212,14 +212,16 @@ def test_stage_params_are_the_gradient_buffers(layout):
 
 def test_overlap_assumptions_only_hide_communication(tmp_path, constant_rates):
     """``dp`` hides gradient reduction, ``all`` also tp / cp / pp: each step is no longer than the one before and
-    no shorter than the compute alone; the compute term is the same under every assumption."""
+    no shorter than the compute alone; the compute term is the same under every assumption. Buckets of 1000
+    elements, so that each stage's reduction is ready in pieces over its backward (one bucket a stage, at the
+    default size, is ready only at its end and hides nothing: tests/plan/test_dp_overlap.py)."""
     from omnitron.commands.plan import settings_of
     from omnitron.core.config.parallel import ConfigError
     from omnitron.plan.speed import predict
 
     rates = constant_rates(tmp_path, 0.5, 50.0)  # slow links: communication is most of the step
     s = settings_of({"model": "gpt2_tiny", "mock_data": True, "tokenizer_type": "NullTokenizer", "vocab_size": 200,
-                     "layout": "tp2,pp2,dp2", "global_batch_size": 8})
+                     "layout": "tp2,pp2,dp2", "global_batch_size": 8, "bucket_size": 1000})
     none, dp, every = (predict(s, rates, o) for o in ("none", "dp", "all"))
     assert none.total > dp.total >= every.total >= every.compute
     assert none.compute == dp.compute and dp.dp < none.dp and every.tp == every.pp == 0.0

@@ -51,6 +51,14 @@ def activate(kernels, y: torch.Tensor, bias: torch.Tensor | None, *, swiglu: boo
     return kernels.swiglu(y, bias) if swiglu else kernels.bias_gelu(y, bias)
 
 
+def fused_activation(c, kernels) -> bool:
+    """Whether an MLP of config ``c`` built on kernel table ``kernels`` hands fc1's bias to a fused activation kernel
+    (its ``skip_bias_add``): where the table resolves the activation (SwiGLU, tanh GeLU) to a kernel other than the
+    reference; with the reference, the GEMM adding it (addmm) saves a full pass over ``[s, b, f]``."""
+    return kernels.resolved("swiglu" if c.swiglu else "bias_gelu") != "reference" and not exact_gelu(c) \
+        and glu_variant(c) is None and not getattr(c, "squared_relu", False)
+
+
 class MLP(nn.Module):
     """``[s, b, h] -> ([s, b, h], bias)``. SwiGLU keeps ``[gate; up]`` fused in ``linear_fc1``
     (full layout: all gate rows, then all up rows; split block-wise so each rank holds matching
@@ -66,12 +74,9 @@ class MLP(nn.Module):
         self.squared_relu = getattr(c, "squared_relu", False)
         f = ffn_size(c)
         kw = dict(group=group, bias=c.add_bias_linear, sequence_parallel=sequence_parallel, dtype=c.params_dtype)
-        # NOTE: the bias goes to the fused activation kernel when one exists; with the reference,
-        # the GEMM adding it (addmm) saves a full pass over [s, b, f]
-        fused_act = backend.kernels.resolved("swiglu" if c.swiglu else "bias_gelu") != "reference" \
-            and not self.exact_gelu and self.glu is None and not self.squared_relu
         self.linear_fc1 = ColumnParallelLinear(c.hidden_size, 2 * f if c.swiglu else f, init_std=c.init_method_std,
-                                               stride=2 if c.swiglu else 1, skip_bias_add=fused_act, **kw)
+                                               stride=2 if c.swiglu else 1,
+                                               skip_bias_add=fused_activation(c, backend.kernels), **kw)
         self.linear_fc2 = RowParallelLinear(f, c.hidden_size, init_std=out_std, skip_bias_add=skip_out_bias, **kw)
 
     def forward(self, x: torch.Tensor):
