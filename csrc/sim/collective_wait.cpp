@@ -215,6 +215,14 @@ void CollectiveWait::leave() {
   record_.clear();
 }
 
+void CollectiveWait::tell(const std::string& report) const {
+  auto store = job_store(group_store_);  // not store_: poll() may be setting it on the waiting thread
+  for (int i = 0; i < size_; ++i) {
+    std::string g = peek(*group_store_, member_key(i));
+    if (g != kAbsent && !g.empty() && std::stoi(g) != global_) store->set(deadlock_key(std::stoi(g)), bytes(report));
+  }
+}
+
 std::string CollectiveWait::deadlock_key(int global) { return "simccl/cdeadlock/" + std::to_string(global); }
 
 }  // namespace sim

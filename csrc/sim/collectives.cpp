@@ -519,8 +519,8 @@ class SimCollectives final : public c10d::Backend {
 
   static std::string deadlock_key(int rank) { return "simccl/p2p/deadlock/" + std::to_string(rank); }
 
-  void watch(int index) {  // once: the first point-to-point operation's device
-    if (watched_.exchange(true)) return;
+  void watch(int index) {  // once: the first point-to-point operation's device; later ones reset the key's backoff
+    if (watched_.exchange(true)) return p2p_activity(this);
     watched_device_ = index;
     watch_p2p(this, store_, deadlock_key(getRank()), index, [this, index] { cycles(index); },
               [own = own_, index](const std::string& report) { own->note(report, index); });
@@ -575,6 +575,7 @@ class SimCollectives final : public c10d::Backend {
   std::string flush_cycles() {
     constexpr int kFlushPolls = 10;
     if (!watched_) return "";
+    p2p_activity(this);  // a peer's report is read at the watchdog's next poll, not a backoff later
     Queue& q = g_queues[watched_device_];
     for (int poll = 0; poll < kFlushPolls; ++poll) {
       bool broken;

@@ -203,6 +203,9 @@ class CollectiveWait {
   // found here (by the cycle's lowest rank; the members of its groups told) or told by the rank that found it.
   std::string poll();
   void leave();  // the wait is over: its record withdrawn
+  // ``report`` (another check's, e.g. the deadlock bound's on this rank) told to every other member of the group,
+  // whose blocked wait() raises it at its next poll: on NCCL they hang behind this rank. Any thread.
+  void tell(const std::string& report) const;
 
  private:
   bool publish();  // false while a member has not published its global rank
