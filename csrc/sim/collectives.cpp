@@ -558,6 +558,17 @@ class SimCollectives final : public c10d::Backend {
   // "" or the report of a cycle found at the end (flush_cycles).
   std::string release() {
     if (released_.exchange(true)) return "";
+    if (getSize() > 1) {
+      int64_t issued;
+      {
+        std::lock_guard<std::mutex> lock(p2p_mutex_);
+        issued = collectives_;
+      }
+      try {
+        publish_released(store_, getRank(), issued);  // a member blocked on a later collective says so
+      } catch (const std::exception&) {  // the store is gone: the job is ending
+      }
+    }
     std::string report = flush_cycles();
     unwatch_p2p(this);
     drop_waiters(*store_);  // the group's blocked-wait connections (pair_order.cpp)
