@@ -127,7 +127,7 @@ void* take_cached(c10::DeviceIndex index, int stream, size_t size) {
 // Each use on a stream other than the block's, neither recorded nor waited for, is kept: the next allocations on
 // the block's stream may reuse its bytes (see the top of the file).
 void note_unsafe_uses(const Block& b) {
-  if (!b.uses) return;
+  if (!b.uses || !b.size) return;  // a block of no bytes gives none to a later allocation
   std::lock_guard<std::mutex> lock(g_use_mutex);
   for (int t = 0; t < kStreams; ++t) {
     if (!b.uses[t] || (b.recorded >> t & 1) || ordered_after(b.index, b.stream, t, b.uses[t])) continue;

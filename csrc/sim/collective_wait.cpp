@@ -18,7 +18,8 @@
 // 0.1 s, and a cycle is reported within about a second of closing. ASSUMED, as
 // in wait_cycle.cpp: one thread issues a rank's collectives on the sim device (a second thread issuing the awaited
 // collective while the first is blocked would make a report false). A wait that is not blocked for kQuiet costs
-// no store traffic; a collective costs one counter update.
+// no store traffic; a collective costs one counter update. A member that released the group (destroy_process_group)
+// before issuing the collective waited on is reported at the next search too (its release bumps the version).
 #include "comm.h"
 
 #include <algorithm>
@@ -43,6 +44,7 @@ std::string peek(c10d::Store& store, const std::string& key) {  // the value, or
 
 std::string record_key(int global) { return "simccl/cwait/" + std::to_string(global); }
 std::string member_key(int rank) { return "simccl/global_rank/" + std::to_string(rank); }
+std::string released_key(int rank) { return "simccl/released/" + std::to_string(rank); }
 
 std::mutex g_issued_mutex;
 std::map<std::string, int64_t> g_issued;  // this process's collectives issued per group
@@ -150,6 +152,11 @@ void publish_member(c10d::Store& group_store, int rank, int global) {
   group_store.set(member_key(rank), bytes(std::to_string(global)));
 }
 
+void publish_released(const c10::intrusive_ptr<c10d::Store>& group_store, int rank, int64_t issued) {
+  group_store->set(released_key(rank), bytes(std::to_string(issued)));
+  job_store(group_store)->add(kVersionKey, 1);  // a blocked member's next poll searches, and sees it
+}
+
 CollectiveWait::CollectiveWait(c10::intrusive_ptr<c10d::Store> group_store, std::string group, int size, int global,
                                int64_t k, std::string op)
     : group_store_(std::move(group_store)), group_(std::move(group)), op_(std::move(op)), size_(size),
@@ -172,6 +179,7 @@ std::string CollectiveWait::poll() {
   }
   if (record_.empty() && !publish()) return "";
   if (!pace_.due(store_->add(kVersionKey, 0))) return "";  // no record changed since the last search began
+  if (std::string gone = released_member(); !gone.empty()) return gone;
   std::map<int, Record> records{{global_, decode(record_)}};
   std::vector<int> cycle{global_};
   if (!find_cycle(global_, global_, *store_, records, cycle)) return "";
@@ -186,6 +194,21 @@ std::string CollectiveWait::poll() {
         store_->set(deadlock_key(m), bytes(report));
       }
   return report;
+}
+
+std::string CollectiveWait::released_member() const {
+  for (int i = 0; i < size_; ++i) {
+    std::string issued = peek(*group_store_, released_key(i));
+    if (issued == kAbsent || issued.empty() || std::stoll(issued) >= k_) continue;
+    std::ostringstream os;
+    os << "sim: collective deadlock on group '" << group_ << "': rank " << peek(*group_store_, member_key(i))
+       << " (rank " << i << " of the group) released the group (destroy_process_group, or its process ended) after "
+       << "issuing " << issued << " of its collectives, while rank " << global_ << " waits in wait() on " << op_
+       << " (collective #" << k_ << " of the group): NCCL hangs there; every rank must issue a group's "
+       << "collectives before it destroys the group";
+    return os.str();
+  }
+  return "";
 }
 
 bool CollectiveWait::publish() {
@@ -213,6 +236,14 @@ void CollectiveWait::leave() {
   } catch (const std::exception&) {  // the store is gone: the job is ending
   }
   record_.clear();
+}
+
+void CollectiveWait::tell(const std::string& report) const {
+  auto store = job_store(group_store_);  // not store_: poll() may be setting it on the waiting thread
+  for (int i = 0; i < size_; ++i) {
+    std::string g = peek(*group_store_, member_key(i));
+    if (g != kAbsent && !g.empty() && std::stoi(g) != global_) store->set(deadlock_key(std::stoi(g)), bytes(report));
+  }
 }
 
 std::string CollectiveWait::deadlock_key(int global) { return "simccl/cdeadlock/" + std::to_string(global); }

@@ -519,8 +519,8 @@ class SimCollectives final : public c10d::Backend {
 
   static std::string deadlock_key(int rank) { return "simccl/p2p/deadlock/" + std::to_string(rank); }
 
-  void watch(int index) {  // once: the first point-to-point operation's device
-    if (watched_.exchange(true)) return;
+  void watch(int index) {  // once: the first point-to-point operation's device; later ones reset the key's backoff
+    if (watched_.exchange(true)) return p2p_activity(this);
     watched_device_ = index;
     watch_p2p(this, store_, deadlock_key(getRank()), index, [this, index] { cycles(index); },
               [own = own_, index](const std::string& report) { own->note(report, index); });
@@ -558,6 +558,17 @@ class SimCollectives final : public c10d::Backend {
   // "" or the report of a cycle found at the end (flush_cycles).
   std::string release() {
     if (released_.exchange(true)) return "";
+    if (getSize() > 1) {
+      int64_t issued;
+      {
+        std::lock_guard<std::mutex> lock(p2p_mutex_);
+        issued = collectives_;
+      }
+      try {
+        publish_released(store_, getRank(), issued);  // a member blocked on a later collective says so
+      } catch (const std::exception&) {  // the store is gone: the job is ending
+      }
+    }
     std::string report = flush_cycles();
     unwatch_p2p(this);
     drop_waiters(*store_);  // the group's blocked-wait connections (pair_order.cpp)
@@ -575,6 +586,7 @@ class SimCollectives final : public c10d::Backend {
   std::string flush_cycles() {
     constexpr int kFlushPolls = 10;
     if (!watched_) return "";
+    p2p_activity(this);  // a peer's report is read at the watchdog's next poll, not a backoff later
     Queue& q = g_queues[watched_device_];
     for (int poll = 0; poll < kFlushPolls; ++poll) {
       bool broken;

@@ -193,6 +193,9 @@ void note_collective_issued(const std::string& group, int64_t k);
 c10::intrusive_ptr<c10d::Store> job_store(c10::intrusive_ptr<c10d::Store> store);
 // Publish this rank's global rank (``global``) as member ``rank`` of the group whose store ``group_store`` is.
 void publish_member(c10d::Store& group_store, int rank, int global);
+// Member ``rank`` released the group (destroy_process_group, or the end of its process) after issuing ``issued`` of
+// its collectives: a member's wait() blocked on a later one of the group is then reported at its next search.
+void publish_released(const c10::intrusive_ptr<c10d::Store>& group_store, int rank, int64_t issued);
 // A wait() on the ``k``-th collective of a group (``size`` members; this rank ``global`` in the job): polled while
 // it is blocked, it publishes what it waits for after a while and looks for a cycle of such waits through groups.
 class CollectiveWait {
@@ -203,9 +206,13 @@ class CollectiveWait {
   // found here (by the cycle's lowest rank; the members of its groups told) or told by the rank that found it.
   std::string poll();
   void leave();  // the wait is over: its record withdrawn
+  // ``report`` (another check's, e.g. the deadlock bound's on this rank) told to every other member of the group,
+  // whose blocked wait() raises it at its next poll: on NCCL they hang behind this rank. Any thread.
+  void tell(const std::string& report) const;
 
  private:
   bool publish();  // false while a member has not published its global rank
+  std::string released_member() const;  // "" or the report of a member that released the group before issuing k_
   static std::string deadlock_key(int global);
   c10::intrusive_ptr<c10d::Store> group_store_, store_;
   std::string group_, op_, record_;

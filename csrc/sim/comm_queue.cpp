@@ -183,6 +183,26 @@ void worker(int index) {
 
 // Groups this process sent point-to-point on: a receiver that finds the order broken leaves its report under
 // ``key`` in the group's store, and the sender's watchdog aborts the sender's communicator with it.
+// The key is read on SearchPace's ladder (kFirst doubling to kMost while nothing came, back to kFirst when the
+// communicator issues a point-to-point operation or starts its release): an idle group costs its rank one store
+// read a second, not ten, and a report still arrives within about a second.
+struct ReportPace {
+  std::atomic<int64_t> activity{0};  // bumped at each point-to-point operation of the owner (p2p_activity)
+  int64_t seen = 0;                  // the rest: the device's watchdog only
+  SteadyClock::time_point next = SteadyClock::now() + SearchPace::kFirst;
+  std::chrono::milliseconds interval = SearchPace::kFirst;
+  bool due(SteadyClock::time_point now) {
+    if (int64_t a = activity.load(); a != seen) {
+      seen = a;
+      interval = SearchPace::kFirst;
+      next = std::min(next, now + interval);  // not later: a hot loop of operations must not postpone the check
+    }
+    if (now < next) return false;
+    interval = std::min(interval * 2, SearchPace::kMost);
+    next = now + interval;
+    return true;
+  }
+};
 struct P2PWatch {
   const void* owner;
   c10::intrusive_ptr<c10d::Store> store;
@@ -190,6 +210,7 @@ struct P2PWatch {
   int device;
   std::function<void()> progress;
   std::function<void(const std::string&)> on_report;
+  std::shared_ptr<ReportPace> pace = std::make_shared<ReportPace>();
 };
 std::mutex g_watch_mutex;
 std::vector<P2PWatch> g_watches;
@@ -312,9 +333,10 @@ void poll_pair_waits(Queue& q, int index) {
 }
 
 void poll_p2p_reports(Queue& q, int index) {
+  auto now = SteadyClock::now();
   for (const auto& w : of_device(g_watch_mutex, g_watches, index)) {
     try {
-      if (!w.store->check({w.key})) continue;
+      if (!w.pace->due(now) || !w.store->check({w.key})) continue;
       auto raw = w.store->get(w.key);
       w.store->deleteKey(w.key);
       std::string report(raw.begin(), raw.end());
@@ -329,15 +351,34 @@ void poll_p2p_reports(Queue& q, int index) {
     if (w.device == index && w.progress) w.progress();
 }
 
+// The deadlock bound's report, told to the other members of both groups (the running collective's, whose peers may
+// sit in gloo on theirs, and the one behind it): their blocked wait() raises it within about a second, not at
+// gloo's timeout. Off the queue's lock (store operations).
+void tell_members(const std::vector<std::shared_ptr<CollectiveWait>>& stuck, const std::string& report) {
+  for (const auto& c : stuck) {
+    try {
+      if (c) c->tell(report);
+    } catch (const std::exception&) {  // the store is gone: the job is ending
+    }
+  }
+}
+
 void watchdog(int index) {
   Queue& q = g_queues[index];
   for (;;) {
+    std::vector<std::shared_ptr<CollectiveWait>> stuck;  // the groups of a deadlock reported here
+    std::string report;
     {
       std::unique_lock<std::mutex> lock(q.m);
       if (q.cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return q.stop; })) return;
       auto waited = SteadyClock::now() - q.started_at;
-      if (q.broken.empty() && q.items.size() > 1 && waited > deadlock_bound()) report_deadlock(q, index, waited);
+      if (q.broken.empty() && q.items.size() > 1 && waited > deadlock_bound()) {
+        stuck = {q.items[0]->cwait, q.items[1]->cwait};
+        report_deadlock(q, index, waited);
+        report = q.broken;
+      }
     }
+    tell_members(stuck, report);
     poll_p2p_reports(q, index);
     poll_blocked(q, index);
     poll_pair_waits(q, index);
@@ -379,6 +420,12 @@ void watch_p2p(const void* owner, const c10::intrusive_ptr<c10d::Store>& store, 
   Queue& q = g_queues[index];
   std::lock_guard<std::mutex> qlock(q.m);
   start_threads(q, index);
+}
+
+void p2p_activity(const void* owner) {
+  std::lock_guard<std::mutex> lock(g_watch_mutex);
+  for (const auto& w : g_watches)
+    if (w.owner == owner) w.pace->activity.fetch_add(1);
 }
 
 void unwatch_p2p(const void* owner) {

@@ -97,10 +97,14 @@ void enqueue(int index, const ItemPtr& item);  // raises when the device is brok
 // watchdog of ``index`` aborts that communicator with it. ``owner``: the communicator watching (one entry each).
 // ``progress``: called by the watchdog at each poll too (the replay of all ranks' batches, cycle.cpp), never after
 // unwatch_p2p returned.
-// ``on_report``: told each report read under ``key`` (it belongs to ``owner``'s group).
+// ``on_report``: told each report read under ``key`` (it belongs to ``owner``'s group). The key is read on
+// SearchPace's backoff, reset by p2p_activity.
 void watch_p2p(const void* owner, const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, int index,
                std::function<void()> progress = {}, std::function<void(const std::string&)> on_report = {});
 void unwatch_p2p(const void* owner);
+// ``owner`` issued a point-to-point operation or begins its release: its report key is read soon (the watchdog reads
+// an idle communicator's on SearchPace's backoff).
+void p2p_activity(const void* owner);
 
 // Raise ``report`` (a broken communicator's, a deadlock's) to the caller, remembered as raised in this process: a
 // communicator's release raises a report that reached it only when no operation raised it before (raised_before).

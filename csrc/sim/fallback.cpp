@@ -16,6 +16,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 #include <string>
 #include <unordered_set>
@@ -107,19 +108,26 @@ struct Call {
   }
 
   // After the CPU kernel: memory it reallocated for an argument becomes that argument's device memory,
-  // and new sizes/strides it gave an argument are given to the device tensor.
+  // and new sizes/strides it gave an argument are given to the device tensor. The old block is freed here, so the
+  // kernel's accesses recorded against it are dropped first (commit() would write into the freed block), and the
+  // new memory is recorded as written by this kernel: a later kernel on another stream reading it is checked.
   void write_back() {
+    std::vector<const c10::StorageImpl*> moved;
     for (auto& s : storages) {
       if (s.host.data() == s.data) continue;
       size_t nbytes = s.host.nbytes();
+      if (kernel) kernel->forget(history_slot(s.device));
       c10::DataPtr host = s.host.set_data_ptr(c10::DataPtr(nullptr, c10::Device(c10::kCPU)));
       s.device.set_data_ptr_noswap(adopt(std::move(host), nbytes, s.device.device().index()));
       s.device.set_nbytes(nbytes);
       s.data = s.device.data();
+      moved.push_back(s.device.unsafeGetStorageImpl());
     }
     for (auto& [dev, cpu] : tensors) {
       if (dev.sizes() != cpu.sizes() || dev.strides() != cpu.strides() || dev.storage_offset() != cpu.storage_offset())
         dev.unsafeGetTensorImpl()->set_sizes_and_strides(cpu.sizes(), cpu.strides(), cpu.storage_offset());
+      if (std::count(moved.begin(), moved.end(), dev.storage().unsafeGetStorageImpl()))
+        race_kernel().use(dev, Use::write);
     }
   }
 

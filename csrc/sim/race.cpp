@@ -196,6 +196,17 @@ void Kernel::check() {
   checked_ = accesses_.size();
 }
 
+void Kernel::forget(History** slot) {
+  size_t kept = 0, checked = 0;
+  for (size_t i = 0; i < accesses_.size(); ++i) {
+    if (accesses_[i].slot == slot) continue;
+    checked += i < checked_;
+    accesses_[kept++] = accesses_[i];
+  }
+  accesses_.resize(kept);
+  checked_ = checked;
+}
+
 void Kernel::commit() {
   if (accesses_.empty()) return;
   g_accesses.fetch_add(static_cast<int64_t>(accesses_.size()), std::memory_order_relaxed);

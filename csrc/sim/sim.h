@@ -93,6 +93,9 @@ class Kernel {
   // only the accesses added since (a kernel's fresh results, known once it has run)
   void check();
   void commit();  // record the accesses: later kernels are checked against them
+  // Drop the accesses to the block whose history is ``slot``: the block is about to be freed (a CPU kernel gave its
+  // storage new memory), and commit() must not write into it.
+  void forget(History** slot);
   c10::DeviceIndex device() const { return index_; }
   uint64_t point() const { return point_; }
 

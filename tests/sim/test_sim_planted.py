@@ -127,6 +127,30 @@ def opposite_orders() -> str:
     return f"{message} [{took:.1f} s]" if message else ""
 
 
+def one_queue_behind() -> str:
+    """Rank 0 issues an all-reduce on g1, then one on g2, and waits on both; rank 1 waits on g2's before it issues
+    g1's. NCCL: rank 0's g2 all-reduce runs behind its g1 one, which waits for rank 1, which waits in g2's: both
+    hang. Only rank 0's queue holds two collectives (the bound's report); rank 1 sits in gloo on g2 (no wait()
+    cycle: rank 0 issued g2's all-reduce)."""
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+
+    be = get_backend()
+    g1, g2 = dist.new_group([0, 1]), dist.new_group([0, 1])
+    a, b = torch.ones(8, device=be.device()), torch.ones(8, device=be.device())
+
+    def bug():
+        if dist.get_rank() == 0:
+            for w in [dist.all_reduce(a, group=g1, async_op=True), dist.all_reduce(b, group=g2, async_op=True)]:
+                w.wait()
+        else:
+            dist.all_reduce(b, group=g2)
+            dist.all_reduce(a, group=g1)
+    message, took = _timed_outcome(bug)
+    return f"{message} [{took:.1f} s]" if message else ""
+
+
 def thread_race(out: str = "") -> str:
     import torch.distributed as dist
 
@@ -234,6 +258,22 @@ def test_opposite_collective_orders_deadlock(backend):
         assert m.count("test_sim_planted.py") == 2, m  # both call sites
         seconds = float(m.rsplit("[", 1)[1].split()[0])
         assert DEADLOCK_S <= seconds <= 30, m
+
+
+@pytest.mark.parametrize("backend", ["sim", "cpu"])
+def test_the_bounds_report_reaches_a_peer_stuck_in_gloo(backend):
+    """Rank 0's bound report is told to the members of both groups: rank 1, whose queue holds one collective (no
+    report of its own), raises it from its blocked wait() at its next poll (SearchPace: at most kMost = 1 s), not at
+    gloo's timeout (the run's 60 s timeout here)."""
+    messages = run_distributed(one_queue_behind, 2, backend=backend, env=ENV, timeout_s=60)
+    for m in messages:
+        if backend == "cpu":
+            assert m == "", m  # gloo runs the two groups independently
+            continue
+        assert "\n" not in m and m.startswith("sim: collective deadlock on sim:") and " waits behind it " in m, m
+        assert m.count("test_sim_planted.py") == 2, m  # rank 0's two call sites, on both ranks
+        seconds = float(m.rsplit("[", 1)[1].split()[0])
+        assert DEADLOCK_S <= seconds <= DEADLOCK_S + 10, m  # 10 s: scheduler noise on a loaded CI, as FAST_S
 
 
 @pytest.mark.parametrize("backend", ["sim", "cpu"])

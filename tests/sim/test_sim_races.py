@@ -121,6 +121,24 @@ def reuse_after_free(be, x, ref, sync):
     return y + h, ref * 2 + 1 + ref * 3
 
 
+def resized_out(be, x, ref, sync, size=0):
+    """A side-stream kernel writes an ``out=`` tensor it resizes (the CPU kernel reallocates its memory, which
+    becomes the tensor's device memory); the main stream reads it. ``size``: the out tensor's elements before."""
+    import warnings
+
+    side = be.Stream()
+    side.wait_stream(be.current_stream())
+    out = torch.empty(size, device=x.device)
+    with be.stream(side), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "An output with one or more elements was resized"
+        torch.exp(x, out=out)
+    if sync:
+        be.current_stream().wait_stream(side)
+    y = out * 3  # main stream: reads out
+    _join(be, side)
+    return y, ref.exp() * 3
+
+
 def all_reduce_read_early(be, x, sync, others):
     """An async all-reduce's output read on the current stream before ``work.wait()``."""
     work = be.collectives.all_reduce(x, async_op=True)
@@ -166,7 +184,8 @@ def gather_input_overwritten(be, x, sync, others):
 
 LOCAL = {"cross_stream_read": cross_stream_read, "missing_event_wait": missing_event_wait, "host_item": host_read,
          "host_cpu": lambda be, x, ref, sync: host_read(be, x, ref, sync, read="cpu"), "war": overwrite_while_read,
-         "slices": slices, "reuse_after_free": reuse_after_free}
+         "slices": slices, "reuse_after_free": reuse_after_free, "resized_out": resized_out,
+         "resized_nonempty_out": lambda be, x, ref, sync: resized_out(be, x, ref, sync, size=3)}
 COLLECTIVE = {"all_reduce_read_early": all_reduce_read_early, "all_reduce_other_stream": all_reduce_other_stream,
               "gather_input_overwritten": gather_input_overwritten}
 
@@ -216,6 +235,9 @@ EXPECTED = {
     "slices": ["race (read-after-write)", "aten::add reads", "aten::add wrote", "bytes [8192, 8448)"],
     "reuse_after_free": ["was freed while stream 0 (the default stream) may still be using it",
                          "aten::add ran on it", "aten::mul writes on stream", "record_stream(", "wait_stream"],
+    # the resized memory is recorded as the kernel's write (it was recorded on the freed block, or not at all)
+    "resized_out": ["race (read-after-write)", "aten::mul reads", "aten::exp wrote", "stream 0 (the default stream)"],
+    "resized_nonempty_out": ["race (read-after-write)", "aten::mul reads", "aten::exp wrote"],
     "all_reduce_read_early": ["all_reduce", "before its work.wait()"],  # the in-flight check, before the detector
     "all_reduce_other_stream": ["race (read-after-write)", "aten::mul",
                                 "all_reduce wrote it on the communicator stream",

@@ -16,9 +16,11 @@ polls only at least 0.8 s apart: at most 1 + 1.5 / 0.8 < 3 of them, each without
 deadlock key, the version) for a collective; for a point-to-point wait one (the version) and, on the same ladder
 from the wait's start, the receive's order check (one check of the sender's record, and one read once it is there):
 three. Besides, each communicator that took part in point-to-point (the receive's group, in the p2p phase only) has
-the device's watchdog check its deadlock-report key at every poll, every 0.1 s: at most 1 + 1.5 / 0.1 = 16 checks in
-the window. The old code polled every 0.1 s (at least 10 polls in the window), each one operation or more, and the
-receive's 20 ms loop three operations an iteration (at least 75 iterations in the window).
+the device's watchdog check its deadlock-report key, one operation, on the same ladder from the group's last
+point-to-point operation (the receive, issued by LATE_S; ReportPace in comm_queue.cpp): at most 3 checks in the
+window. The old code polled every 0.1 s (at least 10 polls in the window), each one operation or more, the receive's
+20 ms loop three operations an iteration (at least 75 iterations in the window), and the watchdog checked the report
+key at every 0.1 s poll (at least 14 checks in the window: 1 + 1.5 / 0.1 = 16 at most).
 
 Every store operation simccl issues is counted (csrc/sim/counted_store.cpp: its communicators' stores, their
 clones, the job store under them, wrapped), not the ones a change chose to count: a polling loop anywhere shows.
@@ -37,7 +39,7 @@ SLEEP_S = 3.5  # rank 0's "checkpoint": the others wait this long, legally
 WINDOW_S = (1.5, 3.0)  # where the store operations are counted (after the backoff's ladder, before the wait ends)
 POLLS_IN_WINDOW = 3  # see the module's docstring
 OPS_PER_POLL = {"collective": 2, "p2p": 3}
-REPORT_CHECKS = {"collective": 0, "p2p": 16}  # the watchdog's checks of the receive's group's report key
+REPORT_CHECKS = {"collective": 0, "p2p": POLLS_IN_WINDOW}  # the watchdog's checks of the receive's group's report key
 
 
 def legal_long_waits() -> dict:
