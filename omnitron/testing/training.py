@@ -32,7 +32,14 @@ def settings_in(argv: list[str], world: int, dtype=None):
     layouts' difference by float64 reordering instead of float32's)."""
     import dataclasses
 
+    import torch
+
     from omnitron.core.training.arguments import parse_settings
 
     s = parse_settings(argv, world)
-    return s if dtype is None else dataclasses.replace(s, model=dataclasses.replace(s.model, params_dtype=dtype))
+    if dtype is None:
+        return s
+    if s.model.params_dtype != torch.float32:  # --bf16 / --fp16: its masters, scaler and casts assume that dtype
+        raise ValueError(f"settings_in: {dtype} parameters replace float32 ones only, not the "
+                         f"{s.model.params_dtype} of a precision flag; drop --bf16 / --fp16 or the dtype")
+    return dataclasses.replace(s, model=dataclasses.replace(s.model, params_dtype=dtype))
