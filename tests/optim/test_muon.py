@@ -155,8 +155,9 @@ def full_params(model, groups) -> dict:
 
 
 def layout_worker(tp: int, resume: bool, tp_mode: str = "duplicated") -> dict:
-    """Every layout of this world with tensor-parallel size ``tp``, plain and distributed: the full parameters
-    after each step; with ``resume``, the distributed run also restarted from its state after 2 steps."""
+    """Every layout of this world with tensor-parallel size ``tp``, plain and distributed, a float64 model
+    (LAYOUT_ATOL): the full parameters after each step; with ``resume``, the distributed run also restarted from its
+    state after 2 steps."""
     from omnitron.backends import get_backend
     from omnitron.core.config import ParallelConfig
     from omnitron.core.parallel.groups import ParallelGroups
@@ -166,14 +167,16 @@ def layout_worker(tp: int, resume: bool, tp_mode: str = "duplicated") -> dict:
     groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp), backend=be)
     out = {}
     for distributed in (False, True):
-        ddp, opt = build(groups, be, distributed=distributed, init=full_init(), muon_tp_mode=tp_mode)
+        ddp, opt = build(groups, be, distributed=distributed, init=full_init(), dtype=torch.float64,
+                         muon_tp_mode=tp_mode)
         history = []
         for s in range(STEPS):
             step(ddp, opt, groups, s)
             history.append(full_params(ddp.module, groups))
             if resume and distributed and s == 1:
                 state = opt.state_dict()
-                ddp2, opt2 = build(groups, be, distributed=True, init={k: v for k, v in full_init(5).items()})
+                ddp2, opt2 = build(groups, be, distributed=True, init={k: v for k, v in full_init(5).items()},
+                                   dtype=torch.float64)
                 with torch.no_grad():
                     for p2, p in zip(ddp2.module.parameters(), ddp.module.parameters()):
                         p2.copy_(p)
@@ -200,12 +203,19 @@ def layout_worker(tp: int, resume: bool, tp_mode: str = "duplicated") -> dict:
 # = 6e-5 per step, 2.4e-4 over four steps: far below what a wrong shard, block or scale gives (the update
 # itself, ~lr = 2e-2 per element; splitting qkv or not moves it by 5e-2). Measured: 5e-7.
 ATOL = 2.5e-4
+# The layouts (tp2, dp2, plain and distributed, the Gram all-reduce mode) run a float64 model against the float64
+# reference: the engine's sums in another order only, as in test_float64_model_steps_in_float64 (12-term dot
+# products, the norm's ~500 squares, plus the dp2 mean's 2 terms and the tp halves of the Gram products: <= 500 u,
+# u = 1.1e-16), amplified by Newton-Schulz's <= 500 (ATOL's slope product): 3e-11 relative to |NS| ~ 1, x sqrt(24)
+# x lr (2e-2) = 3e-12 a step, 1.2e-11 over four steps. LAYOUT_ATOL = 1e-10 leaves a factor 8; a float32 run needed
+# ATOL (2.5e-4), under which a layout that rounds U, the momentum or the masters to float32 (~1e-7) passed.
+LAYOUT_ATOL = 1e-10
 
 
-def _compare(history: list[dict], ref: list[dict], what: str) -> None:
+def _compare(history: list[dict], ref: list[dict], what: str, atol: float = LAYOUT_ATOL) -> None:
     for s, (got, want) in enumerate(zip(history, ref, strict=True)):
         for k in want:
-            torch.testing.assert_close(got[k], want[k], rtol=0, atol=ATOL, msg=lambda m: f"{what} step {s} {k}: {m}")
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=atol, msg=lambda m: f"{what} step {s} {k}: {m}")
 
 
 def _mean_grads(dp: int) -> list[dict]:
@@ -230,7 +240,7 @@ def test_one_process_matches_float64_reference(nesterov, split, scale):
         step(ddp, opt, groups, s)
         history.append(full_params(ddp.module, groups))
     ref = reference(full_init(), _mean_grads(1), nesterov=nesterov, split_qkv=split, scale_mode=scale)
-    _compare(history, ref, "one process")
+    _compare(history, ref, "one process", ATOL)
     # fp32 parameters are their own masters: AdamW's two moments for the rest, the momentum alone for the matrices
     adam = sum(p.numel() for p in ddp.module.parameters() if p.ndim == 1 or p is ddp.module.emb)
     assert opt.state_bytes() == 4 * (sum(p.numel() for p in ddp.module.parameters()) + adam)
