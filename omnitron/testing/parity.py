@@ -25,6 +25,16 @@ import torch
 # and a tp or sp slip of 1e-6 (a partial sum counted with weight 1 +- 1e-6, a float32 all-reduce) fails here.
 TP_SP_TOL = 1e-12
 
+# A training loop's losses at a layout against one process, both a float64 model (C++ kernels decline float64, so
+# both sides run the references) under Adam / AdamW (lr <= 1e-2) for <= 6 steps. The layouts differ only in the
+# order of sums: tp / sp split contractions of <= 128 terms in 2 partial sums, pp / vp / zb-v / recompute change
+# none, cp merges <= 2 partial softmaxes, dp / ep add <= 2 partial gradients: <= 128 u = 1.4e-14 relative on a
+# gradient (u = 2**-53), and the clipping norm's positive sum of squares ~log2(n) u. Adam's update takes a
+# gradient's relative error at gain ~1 (a clip factor scales m and sqrt(v) alike), and a later loss takes the
+# weights' errors at gain ~1: <= 6 steps x 6 x 1.4e-14 = 5e-13 relative on the sixth loss (1.3e-13 on the third).
+# ADAM_LOOP_REL = 1e-12 leaves a factor >= 2 (~100 over the sqrt(n) u typical); float32 runs needed 1e-5.
+ADAM_LOOP_REL = 1e-12
+
 
 @contextlib.contextmanager
 def reference_kernels():

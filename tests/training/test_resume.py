@@ -15,17 +15,10 @@ import os
 import pytest
 
 from omnitron.testing.distributed import run_distributed
+from omnitron.testing.parity import ADAM_LOOP_REL
 
 N = 3
-# The parity runs train a float64 model (u = 2**-53 = 1.1e-16; the C++ kernels decline float64, so both sides run
-# the references). Layouts differ from one process only in the order of sums: tp splits contractions of <= 128
-# terms, pp / vp / recompute change none, sp and the dp all-reduce add <= 2 partial sums: <= 128 u = 1.4e-14
-# relative on a gradient, and the clipping norm's positive sum of squares ~log2(N) u. AdamW's update takes a
-# gradient's relative error at gain ~1 (the clip factor scales m and sqrt(v) alike), so each of the 2N = 6 steps
-# (lr <= 3e-3) moves a weight by lr x 1.4e-14 and the next losses take the weights' error at gain ~1: <= 6 x 6 x
-# 1.4e-14 = 5e-13 relative on the last loss (tests/optim/test_float64_training.py's analysis of the same loop).
-# PARITY_REL = 1e-12 leaves a factor 2 over that worst case (~100 over typical); a float32 run needed 1e-5.
-PARITY_REL = 1e-12
+PARITY_REL = ADAM_LOOP_REL  # the parity runs: a float64 model, 2N = 6 AdamW steps (the bound's analysis)
 
 
 def _args(tp, pp, dtype, save, extra=()):
