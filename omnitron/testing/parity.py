@@ -2,17 +2,38 @@
 
 :func:`relative_error` is the norm-wise error every parity test reports;
 :func:`tp_sp_parity` runs one forward + backward per configuration on a tensor-parallel group
-(without and with sequence parallelism) and on one process, and returns the errors of every
-compared tensor; :func:`assert_parity` checks every rank's result against a tolerance;
+(without and with sequence parallelism) and on one process, a float64 model on the reference kernels, and returns
+the errors of every compared tensor; :func:`assert_parity` checks every rank's result against a tolerance;
 :func:`reference_kernels` puts this process on the reference kernels for a block;
 :func:`on_groups_device` moves a step's model and batch to the device its groups run on.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Callable
 
 import torch
+
+# tp_sp_parity's bound. Both sides compute in float64 (u = 2**-53 = 1.1e-16) and differ only in the order of sums:
+# tp splits each contraction (<= 4 x hidden = 256 terms in these tiny models) into 2 partial sums added by an
+# all-reduce, sequence parallelism's reduce-scatter adds the same 2 partial sums, the all-gathers are exact, and a
+# weight gradient sums its b x s <= 64 tokens' products in another grouping. Reordering n <= 256 terms moves a sum
+# by <= n u = 2.8e-14 of the sum of its terms' magnitudes; one forward + backward chains a few such sums at gain
+# ~1 (layer norms and softmaxes are well conditioned at these scales), so a norm-wise error (relative_error) stays
+# <= ~1e-13 at worst (sqrt(n) u ~ 2e-15 typical). TP_SP_TOL = 1e-12 leaves a factor 10; a float32 run needed 1e-5,
+# and a tp or sp slip of 1e-6 (a partial sum counted with weight 1 +- 1e-6, a float32 all-reduce) fails here.
+TP_SP_TOL = 1e-12
+
+# A training loop's losses at a layout against one process, both a float64 model (C++ kernels decline float64, so
+# both sides run the references) under Adam / AdamW (lr <= 1e-2) for <= 6 steps. The layouts differ only in the
+# order of sums: tp / sp split contractions of <= 128 terms in 2 partial sums, pp / vp / zb-v / recompute change
+# none, cp merges <= 2 partial softmaxes, dp / ep add <= 2 partial gradients: <= 128 u = 1.4e-14 relative on a
+# gradient (u = 2**-53), and the clipping norm's positive sum of squares ~log2(n) u. Adam's update takes a
+# gradient's relative error at gain ~1 (a clip factor scales m and sqrt(v) alike), and a later loss takes the
+# weights' errors at gain ~1: <= 6 steps x 6 x 1.4e-14 = 5e-13 relative on the sixth loss (1.3e-13 on the third).
+# ADAM_LOOP_REL = 1e-12 leaves a factor >= 2 (~100 over the sqrt(n) u typical); float32 runs needed 1e-5.
+ADAM_LOOP_REL = 1e-12
 
 
 @contextlib.contextmanager
@@ -55,8 +76,9 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def tp_sp_parity(tp: int, configs: dict, step: Callable) -> dict:
     """Collective over the default world: for sequence parallelism off and on, and each ``configs``
-    entry, ``step(cfg, groups)`` runs one forward + backward and returns ``{name: tensor}`` plus
-    ``"grads"``: the full gradient state (``gather_full_state(..., grads=True)``). Returns
+    entry (run as a float64 model on the reference kernels: :data:`TP_SP_TOL`'s analysis), ``step(cfg, groups)``
+    runs one forward + backward and returns ``{name: tensor}`` plus ``"grads"``: the full gradient state
+    (``gather_full_state(..., grads=True)``). Returns
     ``{(config name, sp): {name: relative error, "grads": worst gradient error, "keys": same names}}``."""
     from omnitron.backends import get_backend
     from omnitron.core.config.parallel import ParallelConfig
@@ -68,7 +90,9 @@ def tp_sp_parity(tp: int, configs: dict, step: Callable) -> dict:
         groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp),
                                       backend=get_backend())
         for name, cfg in configs.items():
-            got, want = step(cfg, groups), step(cfg, single)
+            cfg = dataclasses.replace(cfg, params_dtype=torch.float64)
+            with reference_kernels():
+                got, want = step(cfg, groups), step(cfg, single)
             gg, gw = got.pop("grads"), want.pop("grads")
             err = {k: relative_error(got[k], want[k]) for k in want}
             err.update(grads=max(relative_error(gg[k], gw[k]) for k in gw), keys=gg.keys() == gw.keys())
@@ -77,7 +101,7 @@ def tp_sp_parity(tp: int, configs: dict, step: Callable) -> dict:
     return out
 
 
-def assert_parity(rank_results: list[dict], tol: float = 1e-5) -> None:
+def assert_parity(rank_results: list[dict], tol: float = TP_SP_TOL) -> None:
     """Every rank's :func:`tp_sp_parity` result: the same gradient names, every error below ``tol``."""
     for result in rank_results:
         for case, err in result.items():

@@ -10,6 +10,7 @@ import torch
 
 from omnitron.core.models.family import get_family
 from omnitron.core.models.gpt.config import num_parameters
+from omnitron.testing.parity import ADAM_LOOP_REL
 
 # DeepSeek-V3's main model in the released checkpoint (its config.json; the model card's "671B"), without the
 # multi-token-prediction module (layer 61: the checkpoint's 685B total; --mtp-num-layers 1 builds it). It
@@ -101,30 +102,30 @@ def _train_layouts(tmp: str) -> dict[str, dict]:
     import torch.distributed as dist
 
     from omnitron.backends import get_backend
-    from omnitron.core.training.arguments import parse_settings
     from omnitron.core.training.loop import train
+    from omnitron.testing.training import settings_in
 
-    return {name: train(parse_settings(_tiny_args(f"{tmp}/{name}", *lay), dist.get_world_size()),
+    return {name: train(settings_in(_tiny_args(f"{tmp}/{name}", *lay), dist.get_world_size(), torch.float64),
                         get_backend())["losses"] for name, lay in LAYOUTS.items()}
 
 
 @pytest.mark.slow  # three two-process trainings of the tiny preset: 30 s on the loaded 2-core machine
 @pytest.mark.multiprocess
 def test_deepseek_v3_tiny_layouts_match_one_process(tmp_path):
-    """MLA (tp2 + sp, pp2) and the routing with its expert bias (ep2, dp2 counts) train as one process does:
-    three steps' losses agree to float32 reduction-order rounding (1e-5 relative; the expert bias moves by a
-    sign, so a count that differed would change the routing and the loss far more)."""
+    """MLA (tp2 + sp, pp2) and the routing with its expert bias (ep2, dp2 counts) train a float64 model as one
+    process does: three steps' losses agree to ADAM_LOOP_REL (the expert bias moves by a sign, so a count that differed
+    would change the routing and the loss far more)."""
     from omnitron.backends import get_backend
-    from omnitron.core.training.arguments import parse_settings
     from omnitron.core.training.loop import train
     from omnitron.testing.distributed import run_distributed
+    from omnitron.testing.training import settings_in
 
-    one = train(parse_settings(_tiny_args(str(tmp_path / "one")), 1), get_backend("cpu"))["losses"]
+    one = train(settings_in(_tiny_args(str(tmp_path / "one")), 1, torch.float64), get_backend("cpu"))["losses"]
     for rank_losses in run_distributed(_train_layouts, 2, str(tmp_path)):
         for name, losses in rank_losses.items():
             assert losses.keys() == one.keys(), name
             for it in one:
-                assert losses[it] == pytest.approx(one[it], rel=1e-5), (name, it, losses, one)
+                assert losses[it] == pytest.approx(one[it], rel=ADAM_LOOP_REL), (name, it, losses, one)
 
 
 @pytest.mark.slow  # three short trainings: 40 s on the loaded 2-core machine

@@ -217,6 +217,7 @@ def _parity_step(c, g):
     from omnitron.core.models.gpt import allreduce_sequence_parallel_grads
 
     batch = _batch(c, torch.Generator().manual_seed(4))
+    batch["images"] = batch["images"].to(c.params_dtype)  # tp_sp_parity runs a float64 model
     model = LLaVAModel(c, g, seed=8)
     model, batch = on_groups_device(g, model, batch)  # the backend under test (the host for one process)
     loss, per_token = _loss(model, batch)

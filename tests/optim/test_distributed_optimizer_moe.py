@@ -17,7 +17,7 @@ import os
 
 import pytest
 import torch
-from test_distributed_optimizer import _case, _close, _state_close
+from test_distributed_optimizer import TOL, _case, _close, _state_close
 
 from omnitron.testing.distributed import run_distributed
 from omnitron.testing.sim import requires_sim
@@ -38,12 +38,12 @@ TINY_STEPS = 3
 
 
 class _Tiny(torch.nn.Module):
-    """loss = mean((x @ a^T * b - t)^2): ``a`` [1, 2] dense, ``b`` [1, 1] an expert (one per ep rank)."""
+    """loss = mean((x @ a^T * b - t)^2): ``a`` [1, 2] dense, ``b`` [1, 1] an expert (one per ep rank); float64."""
 
     def __init__(self, ep_rank: int) -> None:
         super().__init__()
-        self.a = torch.nn.Parameter(torch.tensor([[0.5, -1.0]]))
-        self.b = torch.nn.Parameter(torch.tensor([[0.3 + ep_rank]]))
+        self.a = torch.nn.Parameter(torch.tensor([[0.5, -1.0]], dtype=torch.float64))
+        self.b = torch.nn.Parameter(torch.tensor([[0.3 + ep_rank]], dtype=torch.float64))
         self.b.expert = True
 
     def forward(self, x, t):
@@ -76,7 +76,7 @@ def _tiny(distributed: bool) -> dict:
     out = {"owns": len(getattr(opt, "slices", [])), "losses": [], "norms": []}
     for step in range(TINY_STEPS + 1):
         ddp.zero_grad_buffer()
-        loss = model(torch.randn(4, 2, generator=g).to(dev), torch.randn(4, 1, generator=g).to(dev))
+        loss = model(*(torch.randn(4, n, generator=g, dtype=torch.float64).to(dev) for n in (2, 1)))
         loss.backward()
         ddp.finish_grad_sync()
         if step == TINY_STEPS:
@@ -102,20 +102,21 @@ def _worker(root):
 
 def _check_case(name: str, rank: int, r: dict, tp: int, pp: int) -> None:
     fp16 = "fp16" in name
-    # NOTE: fp16 parameters round masters equal to ~1e-7: allow a flipped last bit
-    rtol, ptol = (1e-4, dict(rtol=1e-3, atol=1e-3)) if fp16 else (1e-5, dict(rtol=1e-5, atol=1e-6))
+    # NOTE: fp16 parameters round masters equal to ~1e-7: allow a flipped last bit; the AdamW cases train float64
+    # (test_distributed_optimizer's TOL: the MoE adds the edp reduce-scatter, <= 2 partial sums, to its analysis)
+    rtol, ptol = (1e-4, dict(rtol=1e-3, atol=1e-3)) if fp16 else (TOL, dict(rtol=TOL, atol=TOL / 10))
     _close(r["dist"], r["plain"], rtol)
     assert all(n is not None and n > 0.05 for _, n, s in r["plain"] if not s), "clipping must be active"
     assert any(".experts." in k for k in r["plain_params"]), "the model must have expert parameters"
     for k, p in r["plain_params"].items():
         torch.testing.assert_close(r["dist_params"][k], p, **ptol, msg=lambda m: f"{name} {k}: {m}")
-    _state_close(r["dist_state"], r["plain_state"], 1e-4 if fp16 else 1e-5, 1e-6)
+    _state_close(r["dist_state"], r["plain_state"], 1e-4 if fp16 else TOL, 1e-6 if fp16 else TOL / 10)
     for other in ("dist_more", "d2p_more", "p2d_more"):
         _close(r[other], r["plain_more"], rtol)
     for k, p in r["plain_more_params"].items():
         torch.testing.assert_close(r["p2d_params"][k], p, **ptol)
     # per rank: 1/dp of the dense state and 1/edp of the expert state (padding: < one shard per bucket)
-    per_param, dp, edp = (12 if fp16 else 8), 4 // (tp * pp), r["edp"]
+    per_param, dp, edp = (12 if fp16 else 16), 4 // (tp * pp), r["edp"]  # fp32 masters + moments; float64 moments
     assert edp == 2 and r["expert_numel"] > 0, (name, edp)
     plain_b, dist_b = r["bytes"]
     assert plain_b == per_param * r["numel"], (name, plain_b)
@@ -128,13 +129,13 @@ def _check_tiny(results: list[dict]) -> None:
     for rank, res in enumerate(results):
         plain, dist_ = res["tiny"]["plain"], res["tiny"]["dist"]
         assert len(set(plain["norms"])) == TINY_STEPS and min(plain["norms"]) > 0.05, "clipping must be active"
-        for key in ("losses", "norms"):
+        for key in ("losses", "norms"):  # float64, 3 elements: TOL's analysis with n <= 4 terms a sum
             for a, b in zip(dist_[key], plain[key], strict=True):
-                assert abs(a - b) <= 1e-5 * abs(b), (rank, key, a, b)
+                assert abs(a - b) <= TOL * abs(b), (rank, key, a, b)
         assert dist_["inf_skipped"], f"rank {rank} must skip the step with an inf in rank 1's expert slice"
         for n, p in plain["params"].items():  # the skipped step left the parameters alone
-            torch.testing.assert_close(dist_["params"][n], p, rtol=1e-5, atol=1e-7)
-        _state_close(dist_["state"], plain["state"], 1e-5, 1e-7)
+            torch.testing.assert_close(dist_["params"][n], p, rtol=TOL, atol=TOL / 10)
+        _state_close(dist_["state"], plain["state"], TOL, TOL / 10)
 
 
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("sim", marks=[pytest.mark.slow, requires_sim()])])

@@ -155,8 +155,9 @@ def full_params(model, groups) -> dict:
 
 
 def layout_worker(tp: int, resume: bool, tp_mode: str = "duplicated") -> dict:
-    """Every layout of this world with tensor-parallel size ``tp``, plain and distributed: the full parameters
-    after each step; with ``resume``, the distributed run also restarted from its state after 2 steps."""
+    """Every layout of this world with tensor-parallel size ``tp``, plain and distributed, a float64 model
+    (LAYOUT_ATOL): the full parameters after each step; with ``resume``, the distributed run also restarted from its
+    state after 2 steps."""
     from omnitron.backends import get_backend
     from omnitron.core.config import ParallelConfig
     from omnitron.core.parallel.groups import ParallelGroups
@@ -166,14 +167,16 @@ def layout_worker(tp: int, resume: bool, tp_mode: str = "duplicated") -> dict:
     groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp), backend=be)
     out = {}
     for distributed in (False, True):
-        ddp, opt = build(groups, be, distributed=distributed, init=full_init(), muon_tp_mode=tp_mode)
+        ddp, opt = build(groups, be, distributed=distributed, init=full_init(), dtype=torch.float64,
+                         muon_tp_mode=tp_mode)
         history = []
         for s in range(STEPS):
             step(ddp, opt, groups, s)
             history.append(full_params(ddp.module, groups))
             if resume and distributed and s == 1:
                 state = opt.state_dict()
-                ddp2, opt2 = build(groups, be, distributed=True, init={k: v for k, v in full_init(5).items()})
+                ddp2, opt2 = build(groups, be, distributed=True, init={k: v for k, v in full_init(5).items()},
+                                   dtype=torch.float64)
                 with torch.no_grad():
                     for p2, p in zip(ddp2.module.parameters(), ddp.module.parameters()):
                         p2.copy_(p)
@@ -200,12 +203,19 @@ def layout_worker(tp: int, resume: bool, tp_mode: str = "duplicated") -> dict:
 # = 6e-5 per step, 2.4e-4 over four steps: far below what a wrong shard, block or scale gives (the update
 # itself, ~lr = 2e-2 per element; splitting qkv or not moves it by 5e-2). Measured: 5e-7.
 ATOL = 2.5e-4
+# The layouts (tp2, dp2, plain and distributed, the Gram all-reduce mode) run a float64 model against the float64
+# reference: the engine's sums in another order only, as in test_float64_model_steps_in_float64 (12-term dot
+# products, the norm's ~500 squares, plus the dp2 mean's 2 terms and the tp halves of the Gram products: <= 500 u,
+# u = 1.1e-16), amplified by Newton-Schulz's <= 500 (ATOL's slope product): 3e-11 relative to |NS| ~ 1, x sqrt(24)
+# x lr (2e-2) = 3e-12 a step, 1.2e-11 over four steps. LAYOUT_ATOL = 1e-10 leaves a factor 8; a float32 run needed
+# ATOL (2.5e-4), under which a layout that rounds U, the momentum or the masters to float32 (~1e-7) passed.
+LAYOUT_ATOL = 1e-10
 
 
-def _compare(history: list[dict], ref: list[dict], what: str) -> None:
+def _compare(history: list[dict], ref: list[dict], what: str, atol: float = LAYOUT_ATOL) -> None:
     for s, (got, want) in enumerate(zip(history, ref, strict=True)):
         for k in want:
-            torch.testing.assert_close(got[k], want[k], rtol=0, atol=ATOL, msg=lambda m: f"{what} step {s} {k}: {m}")
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=atol, msg=lambda m: f"{what} step {s} {k}: {m}")
 
 
 def _mean_grads(dp: int) -> list[dict]:
@@ -230,7 +240,7 @@ def test_one_process_matches_float64_reference(nesterov, split, scale):
         step(ddp, opt, groups, s)
         history.append(full_params(ddp.module, groups))
     ref = reference(full_init(), _mean_grads(1), nesterov=nesterov, split_qkv=split, scale_mode=scale)
-    _compare(history, ref, "one process")
+    _compare(history, ref, "one process", ATOL)
     # fp32 parameters are their own masters: AdamW's two moments for the rest, the momentum alone for the matrices
     adam = sum(p.numel() for p in ddp.module.parameters() if p.ndim == 1 or p is ddp.module.emb)
     assert opt.state_bytes() == 4 * (sum(p.numel() for p in ddp.module.parameters()) + adam)
@@ -392,6 +402,18 @@ def test_tp2_dp2_distributed_matches_float64_reference():
         _compare(r["plain"], ref, "tp2 dp2 plain")
 
 
+# float64 (u = 2**-53 = 1.1e-16). tp2 and tp1 x dp2 differ in the order of sums only: tp splits contractions of
+# <= 128 terms, dp adds 2 partial gradients where tp2 accumulates 2 micro-batches: <= 128 u = 1.4e-14 relative on
+# a gradient. Muon's momentum carries it, five Newton-Schulz steps amplify a relative input error by at most the
+# product of the polynomials' slopes, ~500 (ATOL's analysis): <= 7e-12 relative on an update of ~lr x sqrt(128)
+# = 3.4e-2 per element, 2.4e-13 absolute. A loss moves by the gradient's inner product with the weights' errors:
+# over N ~ 5e4 weights <= ||g|| sqrt(N) x 2.4e-13 ~ 1 x 224 x 2.4e-13 = 5e-11 absolute per step on a loss ~5.3,
+# 1e-11 relative; iterations 3 and 4 add the earlier steps' errors: <= 3e-11. RESUME_REL = 1e-10 leaves a factor
+# 3 over that worst case (errors of random sign add as sqrt: ~100x typical). An fp32 run needed 1e-5; a resume
+# that drops or rescales the momentum (5e-4) or rounds it to fp32 (~1e-8 relative on the update) fails here.
+RESUME_REL = 1e-10
+
+
 def _train_args(root, extra=(), dtype="--bf16"):
     return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
             "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type", "NullTokenizer",
@@ -403,18 +425,20 @@ def _train_args(root, extra=(), dtype="--bf16"):
 
 
 def resume_worker(root: str) -> dict:
-    """bf16 at dp2: 4 iterations, and 2 + save + 2 resumed. fp32 at tp2: 4 iterations, and 2 + save + 2 resumed
-    at tp1 x dp2 (the torch_dist checkpoint resharded on load)."""
+    """bf16 at dp2: 4 iterations, and 2 + save + 2 resumed. A float64 model at tp2: 4 iterations, and 2 + save + 2
+    resumed at tp1 x dp2 (the checkpoint resharded on load)."""
     import torch.distributed as dist
 
     from omnitron.backends import get_backend
-    from omnitron.core.training.arguments import parse_settings
     from omnitron.core.training.loop import train
+    from omnitron.testing.training import settings_in
 
     be, world = get_backend(), dist.get_world_size()
 
     def run(root, extra=(), dtype="--bf16"):
-        return train(parse_settings(_train_args(root, extra, dtype), world), be)["losses"]
+        # no precision flag: the model in float64
+        return train(settings_in(_train_args(root, extra, dtype), world, None if dtype else torch.float64),
+                     be)["losses"]
 
     out = {"full": run(os.path.join(root, "full"))}
     part = os.path.join(root, "part")
@@ -430,11 +454,10 @@ def resume_worker(root: str) -> dict:
 
 def test_training_loop_resumes_bit_exact_and_reshards(tmp_path):
     """--optimizer muon --use-distributed-optimizer through the CLI at world 2: bf16 dp2, 4 iterations == 2, save,
-    resume for 2, bit for bit (the checkpoint carries the Muon momentum); fp32 tp2 resumed at tp1 x dp2 (both
-    checkpoint formats, resharded on load) continues
-    the tp2 run within fp32 rounding (whole-matrix orthogonalisation makes the update tp-independent; the layouts
-    differ in summation order only: 1.1e-7 relative seen at iteration 4; 1e-5 leaves a factor 90, while resuming
-    without the optimizer state (--no-load-optim) moves iteration 4's loss by 4.6e-4)."""
+    resume for 2, bit for bit (the checkpoint carries the Muon momentum); a float64 model at tp2 resumed at tp1 x
+    dp2 (both checkpoint formats, resharded on load) continues the tp2 run (whole-matrix orthogonalisation makes
+    the update tp-independent), within RESUME_REL (derived beside it); resuming without the optimizer state
+    (--no-load-optim) moves iteration 4's loss by ~5e-4."""
     res = run_distributed(resume_worker, 2, str(tmp_path))
     full = res[0]["full"]
     assert sorted(full) == [1, 2, 3, 4] and len(set(full.values())) > 1
@@ -444,7 +467,7 @@ def test_training_loop_resumes_bit_exact_and_reshards(tmp_path):
         got = res[0][f"tp2_to_dp2_{fmt}"]
         assert sorted(got) == [1, 2, 3, 4]
         for it in ref:
-            assert abs(got[it] - ref[it]) <= 1e-5 * abs(ref[it]), (fmt, it, got, ref)
+            assert abs(got[it] - ref[it]) <= RESUME_REL * abs(ref[it]), (fmt, it, got, ref)
 
 
 def replicated_kv_worker() -> dict:

@@ -1,5 +1,5 @@
 """Context parallelism: ring attention against plain attention on the whole sequence, and GPT
-training with the sequence split over cp ranks against one process (fp32, 1e-5 per step).
+training with the sequence split over cp ranks against one process (float64 with the reference kernels, TOL).
 
 Every configuration of one world size runs inside one spawned world (spawns cost seconds).
 """
@@ -12,7 +12,8 @@ from omnitron.core.config import ParallelConfig
 from omnitron.core.config.parallel import ConfigError
 from omnitron.core.parallel.context import chunk_positions, split_sequence
 from omnitron.core.parallel.groups import ParallelGroups
-from omnitron.testing.distributed import run_distributed
+from omnitron.testing.distributed import REFERENCE_KERNELS, run_distributed
+from omnitron.testing.parity import reference_kernels
 from omnitron.testing.sim import requires_sim
 
 # ---- (a) ring attention -------------------------------------------------------------------
@@ -78,6 +79,14 @@ def test_ring_attention_matches_full_attention():
     for rank_result in run_distributed(ring_worker, 4, [2, 4]):
         assert len(rank_result) == 2 * len(ATTN_CASES)
         for case, err, dtype_kept in rank_result:
+            # error relative to each tensor's largest element. An output is a sum over <= s = 32 keys of p v
+            # (p from s-term softmax sums of exp of d = 8-term dot products), the gradients chain two or three
+            # such sums; the ring merges cp <= 4 partial softmaxes (a rescale by exp(m_i - m) and an add each).
+            # Reordering n <= 32 + 8 terms moves a sum by <= n u of its largest magnitude: 40 u = 2.4e-6 in
+            # float32 (u = 6e-8) at worst, while roundings of random sign add to sqrt(n) u = 3.8e-7, which 2e-6
+            # covers 5x (the float32 cases check the kernels' dtype handling; the float64 cases check the maths);
+            # in float64 (u = 1.1e-16) even the worst case 40 u = 4.4e-15 is 200x under 1e-12, room for the
+            # chained gradient sums. A misplaced chunk or a wrong mask moves an entry by ~1.
             tol = 1e-12 if case[-2] == "torch.float64" else 2e-6
             assert dtype_kept and err < tol, (case, err)
 
@@ -96,6 +105,16 @@ def test_load_balanced_layout():
 
 # ---- (b) GPT training with the sequence split over cp ranks --------------------------------
 STEPS, MBS, GBS, SEQ, LR, SEED = 2, 2, 8, 16, 0.5, 1234
+# float64 with the reference kernels, u = 2**-53 = 1.1e-16. A layout differs from one process only in the order
+# of sums: cp splits attention's key sums (<= 16 keys) into <= 4 partial softmaxes merged by rescaling, tp splits
+# contractions of <= 64 terms, dp / cp all-reduces add <= 4 partial gradient sums where one process adds 4
+# micro-batches' in turn, and cp's loss divides the sums of the ranks' masked token losses. Reordering n terms
+# moves a sum by <= n u times the sum of its magnitudes: 64 x 4 u = 2.8e-14 relative to those (sqrt(n) u ~ 2e-15
+# typical). Two SGD steps at lr 0.5 (the loop: 4 iterations clipped to norm 0.5) carry a gradient error into the
+# weights at lr and back into the next gradient at gain ~1 + lr ||H|| < 2 (the run is stable): <= 2^4 x 2.8e-14 =
+# 4.5e-13 after the loop's 4 iterations. TOL = 1e-12 leaves a factor 2 over that worst case (~100 over typical);
+# absolute TOL / 10 for entries near zero. A float32 run (u = 6e-8) needs 1e-5; a slip of 1e-6 fails here.
+TOL = 1e-12
 # (tp, cp, pp, sequence parallel, model family); dp = 4 / (tp * cp * pp)
 LAYOUTS = [(1, 2, 1, False, "llama"), (2, 2, 1, True, "llama"), (2, 2, 1, False, "gpt2"), (1, 2, 2, False, "llama"),
            (1, 4, 1, False, "llama")]
@@ -107,14 +126,15 @@ def _model_config(family: str):
 
     make = llama_tiny if family == "llama" else gpt2_tiny
     return make(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=SEQ,
-                max_position_embeddings=SEQ, vocab_size=96, hidden_dropout=0.0, attention_dropout=0.0)
+                max_position_embeddings=SEQ, vocab_size=96, hidden_dropout=0.0, attention_dropout=0.0,
+                params_dtype=torch.float64)
 
 
 def _data() -> list[dict]:
     """Every step's global batch: tokens, labels and a random loss mask (so cp ranks' token counts differ)."""
     g = torch.Generator().manual_seed(11)
     ids = torch.randint(0, 96, (STEPS, GBS, SEQ + 1), generator=g)
-    mask = (torch.rand(STEPS, GBS, SEQ, generator=g) > 0.3).float()
+    mask = (torch.rand(STEPS, GBS, SEQ, generator=g) > 0.3).double()
     return [{"tokens": i[:, :-1], "labels": i[:, 1:], "loss_mask": m} for i, m in zip(ids, mask)]
 
 
@@ -188,13 +208,14 @@ def _train_args(root: str, *extra: str) -> list[str]:
             "0", "--log-interval", "1", "--no-tensorboard", "--data-cache-path", root + "/cache", *extra]
 
 
-def _train(argv: list[str], world: int, backend: str = "cpu") -> tuple[list[float], list[float]]:
-    """The training loop's per-iteration losses and validation losses."""
+def _train(argv: list[str], world: int, backend: str = "cpu", dtype: torch.dtype | None = None
+           ) -> tuple[list[float], list[float]]:
+    """The training loop's per-iteration losses and validation losses (the model in ``dtype`` when given)."""
     from omnitron.backends import get_backend
-    from omnitron.core.training.arguments import parse_settings
     from omnitron.core.training.loop import train
+    from omnitron.testing.training import settings_in
 
-    res = train(parse_settings(argv, world), get_backend(backend))
+    res = train(settings_in(argv, world, dtype), get_backend(backend))
     return list(res["losses"].values()), [v["val_loss"] for v in res["validation"]]
 
 
@@ -214,7 +235,8 @@ def gpt_worker(layouts, root: str) -> dict:
         dp, per_dp = groups.dp.size, GBS // groups.dp.size
         lo = (groups.dp.rank if dp > 1 else 0) * per_dp
         kw = dict(num_microbatches=per_dp // MBS, seq_length=SEQ, micro_batch_size=MBS, hidden_size=32,
-                  forward_step_fn=_cp_step, loss_fn=_cp_loss, schedule_name="1f1b" if layout[2] > 1 else None)
+                  forward_step_fn=_cp_step, loss_fn=_cp_loss, schedule_name="1f1b" if layout[2] > 1 else None,
+                  dtype=torch.float64)
         losses, grads = [], None
         for step in _data():
             chunk.zero_grad_buffer()
@@ -240,42 +262,44 @@ def loop_worker(root: str) -> dict:
     torch.set_num_threads(1)
     name = get_backend().name
     return {"loop": _train(_train_args(root, "--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
-                                       "--sequence-parallel"), 4, name),
+                                       "--sequence-parallel"), 4, name, torch.float64),
             "loop_zero": _train(_train_args(root + "/zero", "--context-parallel-size", "2",
-                                            "--use-distributed-optimizer"), 4, name)}
+                                            "--use-distributed-optimizer"), 4, name, torch.float64)}
 
 
 @pytest.mark.slow
 @requires_sim()
 def test_context_parallel_training_on_sim_matches_one_process_on_cpu(tmp_path):
-    loop_ref = _train(_train_args(str(tmp_path / "one")), 1)
-    for res in run_distributed(loop_worker, 4, str(tmp_path / "sim"), backend="sim"):
+    with reference_kernels():
+        loop_ref = _train(_train_args(str(tmp_path / "one")), 1, dtype=torch.float64)
+    for res in run_distributed(loop_worker, 4, str(tmp_path / "sim"), backend="sim", env=REFERENCE_KERNELS):
         for run in ("loop", "loop_zero"):
-            assert res[run][0] == pytest.approx(loop_ref[0], rel=1e-5), (run, res[run], loop_ref)
+            assert res[run][0] == pytest.approx(loop_ref[0], rel=TOL), (run, res[run], loop_ref)
             assert res[run][1] == pytest.approx(loop_ref[1],
-                                                rel=1e-5) and len(loop_ref[1]) == 3  # + the final validation
+                                                rel=TOL) and len(loop_ref[1]) == 3  # + the final validation
 
 
 def test_gpt_context_parallel_matches_one_process(tmp_path):
-    refs = {family: reference(family) for family in ("llama", "gpt2")}
-    loop_ref = _train(_train_args(str(tmp_path / "one")), 1)
-    per_rank = run_distributed(gpt_worker, 4, LAYOUTS, str(tmp_path / "cp"))
+    with reference_kernels():
+        refs = {family: reference(family) for family in ("llama", "gpt2")}
+        loop_ref = _train(_train_args(str(tmp_path / "one")), 1, dtype=torch.float64)
+    per_rank = run_distributed(gpt_worker, 4, LAYOUTS, str(tmp_path / "cp"), env=REFERENCE_KERNELS)
     for res in per_rank:
         for run in ("loop", "loop_zero"):
-            assert res[run][0] == pytest.approx(loop_ref[0], rel=1e-5), (run, res[run], loop_ref)
+            assert res[run][0] == pytest.approx(loop_ref[0], rel=TOL), (run, res[run], loop_ref)
             assert res[run][1] == pytest.approx(loop_ref[1],
-                                                rel=1e-5) and len(loop_ref[1]) == 3  # + the final validation
+                                                rel=TOL) and len(loop_ref[1]) == 3  # + the final validation
     for layout in LAYOUTS:
         ref_losses, ref_grads, ref_weights = refs[layout[-1]]
         grads, weights = {}, {}
         for res in per_rank:
             losses, g, w = res[layout]
-            assert losses == pytest.approx(ref_losses, rel=1e-5), (layout, losses, ref_losses)
+            assert losses == pytest.approx(ref_losses, rel=TOL), (layout, losses, ref_losses)
             grads.update(g)
             weights.update(w)
         assert grads.keys() == ref_grads.keys() == weights.keys(), layout
         for name in ref_grads:
-            torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-6,
+            torch.testing.assert_close(grads[name], ref_grads[name], rtol=TOL, atol=TOL / 10,
                                        msg=lambda s: f"{layout} grad {name}: {s}")
-            torch.testing.assert_close(weights[name], ref_weights[name], rtol=1e-5, atol=1e-6,
+            torch.testing.assert_close(weights[name], ref_weights[name], rtol=TOL, atol=TOL / 10,
                                        msg=lambda s: f"{layout} weight {name}: {s}")

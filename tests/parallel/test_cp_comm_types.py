@@ -1,7 +1,7 @@
-"""--cp-comm-type a2a (Ulysses) and allgather: attention over the cp-split sequence against plain attention on
-the whole sequence (float64, forward and gradients), and the training loop under each type against one process
-(fp32, 1e-5 per step) at cp2, tp2 x cp2 with sequence parallelism, cp2 x dp2 with the distributed optimizer and
-cp4; refusals name the binding constraint."""
+"""--cp-comm-type a2a (Ulysses) and allgather: attention over the cp-split sequence against plain attention on the whole
+sequence (float64, forward and gradients), and the training loop under each type against one process (a float64 model
+with the reference kernels, LOOP_REL per step) at cp2, tp2 x cp2 with sequence parallelism, cp2 x dp2 with the
+distributed optimizer and cp4; refusals name the binding constraint."""
 from __future__ import annotations
 
 import pytest
@@ -11,8 +11,18 @@ from omnitron.core.config import ParallelConfig
 from omnitron.core.config.parallel import ConfigError
 from omnitron.core.parallel.context import split_sequence
 from omnitron.core.parallel.groups import ParallelGroups
-from omnitron.testing.distributed import run_distributed
+from omnitron.testing.distributed import REFERENCE_KERNELS, run_distributed
+from omnitron.testing.parity import reference_kernels
+from omnitron.testing.training import settings_in
 
+# The loop in float64 (u = 2**-53 = 1.1e-16): a layout sums the same per-token terms as one process in other
+# orders (attention over <= 16 gathered or exchanged keys, tp contractions of <= 64 terms, gradient reductions
+# over <= 4 ranks where one process adds 2 micro-batches, the MoE's token dispatch): <= 64 x 4 u = 2.8e-14
+# relative on a gradient. 3 SGD steps at lr 0.5, clipped to norm 0.5, carry a gradient error into the weights at
+# lr and back at gain < 1 + lr ||H|| ~ 2 (a stable run): <= 2^3 x 2.8e-14 = 2.3e-13 on the third loss.
+# LOOP_REL = 1e-12 leaves a factor 4 (~100 over sqrt(n) u typical); the float32 loop needed 1e-5. The MoE runs
+# route the same: float64 router logits err by ~1e-15, far below the top-2 gaps of random logits.
+LOOP_REL = 1e-12
 CASES = [(hq, hkv) for hq, hkv in ((4, 4), (4, 2), (4, 1), (8, 2))]
 
 
@@ -98,33 +108,37 @@ RUNS = {"a2a cp2": ("--context-parallel-size", "2", "--cp-comm-type", "a2a"),
                              "2", *MOE)}
 
 
-def loop_worker(root: str) -> dict:
+def loop_worker(root: str, runs: dict, world: int) -> dict:
+    """Each of ``runs`` ({name: flags}) trained by the loop at ``world`` ranks, a float64 model: its losses."""
     from omnitron.backends import get_backend
-    from omnitron.core.training.arguments import parse_settings
     from omnitron.core.training.loop import train
 
     torch.set_num_threads(1)
-    return {name: list(train(parse_settings(_train_args(f"{root}/{i}", *flags), 4), get_backend())
-                       ["losses"].values()) for i, (name, flags) in enumerate(RUNS.items())}
+    return {name: list(train(settings_in(_train_args(f"{root}/{i}", *flags), world, torch.float64), get_backend())
+                       ["losses"].values()) for i, (name, flags) in enumerate(runs.items())}
+
+
+def one_process_losses(root: str, *flags: str) -> list[float]:
+    """The loop's losses at one process on the host, a float64 model on the reference kernels."""
+    from omnitron.backends import get_backend
+    from omnitron.core.training.loop import train
+
+    with reference_kernels():
+        return list(train(settings_in(_train_args(root, *flags), 1, torch.float64), get_backend("cpu"))
+                    ["losses"].values())
+
+
+def run_layouts(root: str, runs: dict, world: int) -> list[dict]:
+    """:func:`loop_worker` on ``world`` spawned ranks with the reference kernels (per rank: {name: losses})."""
+    return run_distributed(loop_worker, world, root, runs, world, env=REFERENCE_KERNELS)
 
 
 def test_training_under_each_type_matches_one_process(tmp_path):
-    from omnitron.backends import get_backend
-    from omnitron.core.training.arguments import parse_settings
-    from omnitron.core.training.loop import train
-
-    def alone(name, *flags):
-        return list(train(parse_settings(_train_args(str(tmp_path / name), *flags), 1), get_backend("cpu"))
-                    ["losses"].values())
-
-    refs = {"dense": alone("one"), "moe": alone("one-moe", *MOE)}
-    for res in run_distributed(loop_worker, 4, str(tmp_path / "cp")):
+    refs = {"dense": one_process_losses(str(tmp_path / "one")), "moe": one_process_losses(str(tmp_path / "m"), *MOE)}
+    for res in run_layouts(str(tmp_path / "cp"), RUNS, 4):
         for name, losses in res.items():
             one = refs["moe" if name.startswith("moe") else "dense"]
-            # fp32: the layouts sum the same per-token terms in other orders (attention over the gathered
-            # sequence, gradient reductions over ranks): a relative error of a few 1e-7 per step, amplified by
-            # the lr-0.5 SGD steps over 3 iterations; 1e-5 leaves an order of magnitude
-            assert losses == pytest.approx(one, rel=1e-5), (name, losses, one)
+            assert losses == pytest.approx(one, rel=LOOP_REL), (name, losses, one)
 
 
 def test_refusals_name_the_constraint():

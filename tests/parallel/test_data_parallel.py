@@ -11,6 +11,13 @@ from omnitron.testing.distributed import run_distributed
 from omnitron.testing.sim import requires_sim
 
 M = 3
+# The float64 cases against the float64 reference (u = 2**-53 = 1.1e-16): the same gradient summed in another order.
+# An entry sums 2 ranks x M micro-batches x 4 samples = 24 products of <= 16-term contractions (tanh's derivative
+# included): reordering n <= 40 terms moves it by <= 40 u = 4.4e-15 times the sum of the terms' magnitudes (<= ~1
+# here: inputs and weights O(1)), so F64_TOL's atol 1e-13 leaves a factor 20 over the worst case where an entry
+# cancels to ~0, and its rtol 1e-12 more elsewhere. A float32 run needed 1e-5; a bucket scaled by 1 +- 1e-6 (a
+# wrong 1 / dp, a micro-batch counted with the wrong weight) or reduced in float32 fails here.
+F64_TOL = dict(rtol=1e-12, atol=1e-13)
 
 
 def _model(dtype=torch.float32):
@@ -25,9 +32,9 @@ def _batch(rank: int, i: int):
 
 
 CASES = {  # name: (overlap, fp32 accumulation, reduce-scatter, dtype)
-    "sync": (False, False, False, torch.float32),
-    "overlap": (True, False, False, torch.float32),
-    "overlap_rs": (True, False, True, torch.float32),
+    "sync": (False, False, False, torch.float64),
+    "overlap": (True, False, False, torch.float64),
+    "overlap_rs": (True, False, True, torch.float64),
     "bf16_fp32acc": (True, True, False, torch.bfloat16),
     "bf16_bf16acc": (True, False, False, torch.bfloat16),  # --bf16 --grad-reduce-in-bf16: bf16 buffers and sums
 }
@@ -57,11 +64,12 @@ def ddp_worker() -> dict:
                 x, y = (t.to(dev) for t in _batch(rank, i))
                 ctx = ddp.no_sync() if i < M - 1 else contextlib.nullcontext()
                 with ctx:
-                    loss = ((ddp(x.to(dtype)).float() - y) ** 2).mean() / M
+                    wide = torch.float64 if dtype == torch.float64 else torch.float32  # the loss's dtype
+                    loss = ((ddp(x.to(dtype)).to(wide) - y.to(wide)) ** 2).mean() / M
                     loss.backward()
                 launched_early.append([b.launched for b in ddp.buckets])
             ddp.finish_grad_sync()
-        rec = {"params": [p.detach().float().clone() for p in model.parameters()],
+        rec = {"params": [p.detach().double().clone() for p in model.parameters()],
                "grads": [p.main_grad.clone() for p in model.parameters()],
                "grad_dtype": model[0].weight.main_grad.dtype, "launched": launched_early,
                "bucket_sizes": [b.data.numel() for b in ddp.buckets],
@@ -90,7 +98,7 @@ def test_ddp_buckets_overlap_and_reduction_match_reference(backend):
     results = run_distributed(ddp_worker, 2, backend=backend)
     for name, (overlap, fp32, rs, dtype) in CASES.items():
         ref_grads, ref_params = _reference(dtype)
-        tol = dict(rtol=2e-2, atol=2e-3) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-7)
+        tol = dict(rtol=2e-2, atol=2e-3) if dtype == torch.bfloat16 else F64_TOL
         for rank, res in enumerate(results):
             rec = res[name]
             for p, w in zip(rec["params"], ref_params):  # broadcast from dp rank 0
@@ -105,7 +113,7 @@ def test_ddp_buckets_overlap_and_reduction_match_reference(backend):
                 assert all(early[-1]) if overlap else not any(early[-1]), name
             if rs:
                 for idx, shard in zip(rec["bucket_params"], rec["shards"]):
-                    full = torch.cat([ref_grads[i].flatten() for i in idx]).float()
+                    full = torch.cat([ref_grads[i].flatten() for i in idx]).to(shard.dtype)
                     full = torch.nn.functional.pad(full, (0, 2 * shard.numel() - full.numel()))
                     torch.testing.assert_close(shard, full[rank * shard.numel():(rank + 1) * shard.numel()], **tol)
             else:

@@ -18,7 +18,7 @@ for gradient norms), and require every step of the parallel run to deviate from 
 ``3 * gap``: 1 for the reference's own size, plus a factor 2 for a second, independent realisation (its
 errors need not have the same signs), rounded up to 3 for the few steps sampled. A broken FP8 (amaxes paired
 with the wrong tensors, saturation, a stale scale) deviates by far more than its own rounding.
-The wide runs themselves match one process to 1e-5 (tests/parallel/test_expert_parallel.py, same helpers).
+The same helpers run as float64 models match one process to 1e-12 (tests/parallel/test_expert_parallel.py).
 """
 from __future__ import annotations
 

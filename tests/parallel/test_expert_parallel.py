@@ -13,6 +13,9 @@ per-step losses, gradient norms, logged aux loss and final weights equal the sin
 over the same micro-batches.
 The one-process references themselves: the layer against a float64 MoE layer written from the maths, and the
 logged aux loss against the routers' losses computed by test_moe's token-by-token reference.
+
+(b) and (c) run in float64 with the reference kernels on both sides, so every layout must equal one process to
+TOL (derivation beside it): a layout bug that moves a value by 1e-6, invisible to a float32 bound, fails here.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import torch
 from omnitron.core.config import ParallelConfig
 from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.testing.distributed import REFERENCE_KERNELS, run_distributed
-from omnitron.testing.parity import assert_training_matches
+from omnitron.testing.parity import assert_training_matches, reference_kernels
 from omnitron.testing.sim import requires_sim
 
 S, B, H, E = 8, 2, 16, 8  # layer test: tokens [S, B, H] per data-parallel rank, 8 experts
@@ -32,23 +35,38 @@ LAYER_LAYOUTS = [(1, 2, False, 1), (1, 4, False, 1), (2, 2, False, 1), (2, 2, Tr
 GPT_LAYOUTS = [(1, 1, 2, False, 1, False), (2, 1, 2, True, 1, False), (1, 2, 2, False, 1, False),
                (1, 1, 2, False, 1, True), (2, 1, 2, True, 2, True)]  # (tp, pp, ep, sp, etp, extras)
 SIM_LAYOUT = (1, 1, 2, False, 1, False)  # ep 2 on 2 ranks: experts 0-1 on rank 0, 2-3 on rank 1
+# float64, u = 2**-53 = 1.1e-16. A layout differs from one process only in the order of sums: an expert's
+# gradient adds the same <= MBS*SEQ*M*dp = 128 token products (layer: <= 4*S*B = 64) in another grouping, tp
+# splits contractions of <= 64 terms, the dp / edp all-reduces add 2-4 partial sums where one process adds the
+# micro-batches in turn. Reordering n terms moves a sum by <= n u times the sum of their magnitudes: 128 u =
+# 1.4e-14 relative to those magnitudes, a few times that relative to a value after sign cancellation
+# (sqrt(n) u ~ 1.3e-15 typical). The routing is the same in both: float64 logits (router_dtype keeps the
+# model's) err by ~1e-15 against top-k gaps > 1e-4 (test_layer_reference_is_the_plain_float64_layer checks the
+# gaps), and capacity drops rank the same scores. Training (c): 3 SGD steps at lr 1, clipped to norm 0.5, move a
+# weight by lr x (a gradient error of <= 1e-14 relative) a step, and a weight error feeds the next gradient at
+# gain ~1 (the curvature times lr, the clipped step bounding the update): <= 3 x 3 x 1.4e-14 ~ 1.3e-13 after 3
+# steps. TOL = 1e-12 leaves a factor ~8 over those worst cases (~100 over typical); absolute TOL / 10 covers
+# entries near zero (e.g. the biases of an expert few tokens reach). float32 (u = 6e-8) would need 1e-5.
+TOL = 1e-12
 EXTRAS = dict(moe_layer_freq=2, moe_shared_expert_intermediate_size=40, moe_expert_capacity_factor=1.0,
               moe_z_loss_coeff=1e-3)
 
 
 # ---- (b) the layer ------------------------------------------------------------------------
 def _layer_config():
+    """The MoE layer's model config, float64 (the bound TOL)."""
     from omnitron.core.models.gpt import gpt2_tiny
 
     return gpt2_tiny(num_layers=1, hidden_size=H, num_attention_heads=2, ffn_hidden_size=24, seq_length=S,
                      max_position_embeddings=S, vocab_size=64, num_experts=E, moe_router_topk=2,
-                     moe_ffn_hidden_size=12, moe_aux_loss_coeff=0.1)
+                     moe_ffn_hidden_size=12, moe_aux_loss_coeff=0.1, params_dtype=torch.float64)
 
 
 def _layer_data(dp: int):
     """Per data-parallel rank: tokens [S, B, H] (a shift makes expert 5 unpopular) and output weights."""
     g = torch.Generator().manual_seed(21)
-    return torch.randn(dp, S, B, H, generator=g) + 0.7, torch.randn(dp, S, B, H, generator=g)
+    return (torch.randn(dp, S, B, H, generator=g, dtype=torch.float64) + 0.7,
+            torch.randn(dp, S, B, H, generator=g, dtype=torch.float64))
 
 
 def _build_layer(groups, sp: bool):
@@ -116,13 +134,14 @@ def _layer_run(coll, tp: int, ep: int, sp: bool, etp: int) -> dict:
 
 
 # ---- (c) GPT training -----------------------------------------------------------------------
-def _gpt_config(extras: bool = False):
+def _gpt_config(extras: bool = False, dtype: torch.dtype = torch.float32):
+    """The MoE GPT's config in ``dtype`` (float64 for the layout parity, float32 for test_expert_fp8's runs)."""
     from omnitron.core.models.gpt import gpt2_tiny
 
     return gpt2_tiny(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=SEQ,
                      max_position_embeddings=SEQ, vocab_size=96, hidden_dropout=0.0, attention_dropout=0.0,
                      num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_aux_loss_coeff=0.05,
-                     **(EXTRAS if extras else {}))
+                     params_dtype=dtype, **(EXTRAS if extras else {}))
 
 
 def _gpt_data(dp: int) -> torch.Tensor:
@@ -151,13 +170,13 @@ def _enable_fp8(model, groups, fp8: str | None) -> None:
         enable_fp8(model, cfg, groups, num_layers=2)
 
 
-def gpt_reference(dp: int, extras: bool = False, fp8: str | None = None) -> dict:
+def gpt_reference(dp: int, extras: bool = False, fp8: str | None = None, dtype: torch.dtype = torch.float32) -> dict:
     """One process; each step runs the dp x M micro-batches in turn, each weighted 1 / (dp x M)."""
     from omnitron.core.models.gpt import GPTModel, gather_full_state
     from omnitron.core.transformer.moe import moe_aux_loss, set_aux_loss_scale
 
     groups = ParallelGroups.single()
-    model = GPTModel(_gpt_config(extras), groups, seed=SEED)
+    model = GPTModel(_gpt_config(extras, dtype), groups, seed=SEED)
     _enable_fp8(model, groups, fp8)
     opt = _optimizer(list(model.named_parameters()), groups)
     set_aux_loss_scale([model], 1.0 / (dp * M))
@@ -189,7 +208,8 @@ def _gpt_step(chunk, batch, hidden):
                  labels=batch["labels"] if m.post_process else None)
 
 
-def _gpt_run(coll, tp: int, pp: int, ep: int, sp: bool, etp: int, extras: bool, fp8: str | None = None) -> dict:
+def _gpt_run(coll, tp: int, pp: int, ep: int, sp: bool, etp: int, extras: bool, fp8: str | None = None,
+             dtype: torch.dtype = torch.float32) -> dict:
     from omnitron.backends import get_backend
     from omnitron.core.models.gpt import GPTModel, gather_full_state
     from omnitron.core.parallel.tensor.sharding import to_device
@@ -201,7 +221,7 @@ def _gpt_run(coll, tp: int, pp: int, ep: int, sp: bool, etp: int, extras: bool, 
                                                  expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
                                                  sequence_parallel=sp), coll, backend=get_backend())
     n = 2 // pp
-    model = GPTModel(_gpt_config(extras), groups, pre_process=groups.pp.is_first, post_process=groups.pp.is_last,
+    model = GPTModel(_gpt_config(extras, dtype), groups, pre_process=groups.pp.is_first, post_process=groups.pp.is_last,
                      layer_offset=groups.pp.rank * n if pp > 1 else 0, num_layers=n, seed=SEED)
     dev = get_backend().device()  # the model and data on the backend's device (a no-op on cpu)
     to_device(model, dev)
@@ -214,7 +234,8 @@ def _gpt_run(coll, tp: int, pp: int, ep: int, sp: bool, etp: int, extras: bool, 
     for _ in range(STEPS):
         chunk.zero_grad_buffer()
         out = forward_backward("1f1b" if pp > 1 else "none", [chunk], data, groups, num_microbatches=M,
-                               seq_length=SEQ, micro_batch_size=MBS, hidden_size=32, forward_step_fn=_gpt_step)
+                               seq_length=SEQ, micro_batch_size=MBS, hidden_size=32, forward_step_fn=_gpt_step,
+                               dtype=dtype)
         finalize_model_grads([chunk], groups)
         aux.append(moe_aux_loss([model], groups, coll, M))
         losses.append(out["loss"])
@@ -226,7 +247,7 @@ def expert_parallel_sim_worker() -> dict:
     """ep 2 (dp 2, edp 1) MoE GPT training on this worker's backend (the sim device)."""
     from omnitron.backends import get_backend
 
-    return _gpt_run(get_backend().collectives, *SIM_LAYOUT)
+    return _gpt_run(get_backend().collectives, *SIM_LAYOUT, dtype=torch.float64)
 
 
 def expert_parallel_worker() -> dict:
@@ -235,7 +256,7 @@ def expert_parallel_worker() -> dict:
     torch.manual_seed(0)
     coll = get_backend().collectives
     out = {"layer": {k: _layer_run(coll, *k) for k in LAYER_LAYOUTS}}
-    out["gpt"] = {k: _gpt_run(coll, *k) for k in GPT_LAYOUTS}
+    out["gpt"] = {k: _gpt_run(coll, *k, dtype=torch.float64) for k in GPT_LAYOUTS}
     return out
 
 
@@ -251,34 +272,36 @@ def _check_layer(ranks: list[dict], refs: dict) -> None:
             if sp and tp > 1:
                 y, dx = y.chunk(tp)[t], dx.chunk(tp)[t]
             where = f"tp{tp} ep{ep} sp{sp} etp{etp}"
-            torch.testing.assert_close(res["y"], y, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where} y: {m}")
-            torch.testing.assert_close(res["dx"], dx, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where} dx: {m}")
+            torch.testing.assert_close(res["y"], y, rtol=TOL, atol=TOL / 10, msg=lambda m: f"{where} y: {m}")
+            torch.testing.assert_close(res["dx"], dx, rtol=TOL, atol=TOL / 10, msg=lambda m: f"{where} dx: {m}")
             assert res["router"].keys() == {k for k in ref["grads"] if k.startswith("router.")}, where
             for name, g in res["router"].items():
-                torch.testing.assert_close(g, ref["grads"][name], rtol=1e-5, atol=1e-6)
-            assert res["aux"] == pytest.approx(ref["aux_per_dp"][d], rel=1e-5), where
+                torch.testing.assert_close(g, ref["grads"][name], rtol=TOL, atol=TOL / 10)
+            assert res["aux"] == pytest.approx(ref["aux_per_dp"][d], rel=TOL), where
             assert res["experts"].keys() == {k for k in ref["grads"] if k.startswith("experts.")}, where
             for name, g in res["experts"].items():
-                torch.testing.assert_close(g, ref["grads"][name], rtol=1e-5, atol=1e-6,
+                torch.testing.assert_close(g, ref["grads"][name], rtol=TOL, atol=TOL / 10,
                                            msg=lambda m: f"{where} {name}: {m}")
 
 
 def _check_gpt(ranks: list[dict], refs: dict) -> None:
     for key in GPT_LAYOUTS:
         tp, pp, ep, _, _, extras = key
-        assert_training_matches([r["gpt"][key] for r in ranks], refs[(4 // (tp * pp), extras)], key)
+        assert_training_matches([r["gpt"][key] for r in ranks], refs[(4 // (tp * pp), extras)], key, rel=TOL)
 
 
 def test_expert_parallel_matches_one_process():
     layer_refs = {}
-    for dp in (2, 4):
-        layer_refs[dp] = layer_reference(dp)
-        layer_refs[dp]["aux_per_dp"] = [layer_reference_aux(dp, d) for d in range(dp)]
-    gpt_refs = {key: gpt_reference(*key) for key in sorted({(4 // (k[0] * k[1]), k[5]) for k in GPT_LAYOUTS})}
+    with reference_kernels():
+        for dp in (2, 4):
+            layer_refs[dp] = layer_reference(dp)
+            layer_refs[dp]["aux_per_dp"] = [layer_reference_aux(dp, d) for d in range(dp)]
+        gpt_refs = {key: gpt_reference(*key, dtype=torch.float64)
+                    for key in sorted({(4 // (k[0] * k[1]), k[5]) for k in GPT_LAYOUTS})}
     assert len(set(gpt_refs[(4, False)]["losses"])) == STEPS and gpt_refs[(4, False)]["aux"][0] > 0
     assert {"decoder.layers.1.mlp.linear_fc1.weight", "decoder.layers.0.mlp.shared_experts.linear_fc1.weight",
             "decoder.layers.0.mlp.experts.3.linear_fc2.bias"} <= gpt_refs[(4, True)]["state"].keys()
-    ranks = run_distributed(expert_parallel_worker, 4)
+    ranks = run_distributed(expert_parallel_worker, 4, env=REFERENCE_KERNELS)
     _check_layer(ranks, layer_refs)
     _check_gpt(ranks, gpt_refs)
 
@@ -318,7 +341,8 @@ def test_layer_reference_is_the_plain_float64_layer():
     default weight 1) and the logged aux loss. A bug in code every layout shares (the routing, the combine's
     weights, an expert's GEMMs) passes the layout comparison; it fails here."""
     dp = 4
-    ref = layer_reference(dp)
+    with reference_kernels():
+        ref = layer_reference(dp)
     layer = _build_layer(ParallelGroups.single(), sp=False)
     W = {n: p.detach().double().requires_grad_(True) for n, p in layer.named_parameters()}
     assert {"router.weight", "router.bias", "experts.7.linear_fc2.bias"} <= W.keys() and len(W) == 2 + 4 * E
@@ -326,23 +350,25 @@ def test_layer_reference_is_the_plain_float64_layer():
     x = xs.double().requires_grad_(True)
     outs = [plain_moe_layer(W, x[d]) for d in range(dp)]
     sum((y * w.double()).sum() + aux for (y, aux), w in zip(outs, ws)).backward()
-    # the routing is the same in both: the router's fp32 logits round at ~1e-7, the 2nd and 3rd largest are
+    # the routing is the same in both: the router's float64 logits round at ~1e-16, the 2nd and 3rd largest are
     # further apart on every token
     logits = x.detach().reshape(-1, H) @ W["router.weight"].detach().t() + W["router.bias"].detach()
     top3 = logits.topk(3, dim=-1).values
     assert float((top3[:, 1] - top3[:, 2]).min()) > 1e-4
-    # fp32 against float64: each compared value is a sum of n <= 4 x 16 x 24 = 1536 rounded products (the
-    # gradients of the experts' weights over every rank's tokens; outputs fewer), random-rounding error
-    # sqrt(n) u ~ 2.4e-6 relative to the sum of magnitudes, which cancellation between signs makes a few times
-    # the value's norm: 2e-5 norm-wise. Dropped gate weights or a misrouted token move a tensor by > 1e-2.
+    # float64 against float64 (u = 1.1e-16), the same maths in another order: each compared value is a sum of
+    # n <= 4 x 16 x 24 = 1536 products (the gradients of the experts' weights over every rank's tokens; outputs
+    # fewer), so reordering moves it by <= n u = 1.7e-13 relative to the sum of magnitudes (sqrt(n) u = 4e-15
+    # typical), which cancellation between signs makes a few times the value's norm; tanh-GELU and softmax
+    # formulas differ by a few u per element. 1e-12 norm-wise leaves a factor ~2 over the worst case with
+    # cancellation 3. Dropped gate weights or a misrouted token move a tensor by > 1e-2; a 1e-6 slip fails.
     def rel(a, b):  # an expert no token reaches (5, see _build_layer): both gradients exactly 0
         return float((a.double() - b).norm() / b.norm()) if b.norm() > 0 else float(a.abs().max())
 
-    assert rel(ref["y"], torch.stack([y for y, _ in outs]).detach()) < 2e-5
-    assert rel(ref["dx"], x.grad) < 2e-5
+    assert rel(ref["y"], torch.stack([y for y, _ in outs]).detach()) < 1e-12
+    assert rel(ref["dx"], x.grad) < 1e-12
     for name, w in W.items():
-        assert rel(ref["grads"][name], w.grad) < 2e-5, name
-    assert ref["aux"] == pytest.approx(float(sum(aux.detach() for _, aux in outs)), rel=2e-5)
+        assert rel(ref["grads"][name], w.grad) < 1e-12, name
+    assert ref["aux"] == pytest.approx(float(sum(aux.detach() for _, aux in outs)), rel=1e-12)
 
 
 def test_logged_aux_loss_is_the_routers_losses_averaged():
@@ -376,14 +402,11 @@ def test_logged_aux_loss_is_the_routers_losses_averaged():
 def test_expert_parallel_training_on_sim_matches_one_cpu_process():
     """The MoE GPT under ep 2 on the sim device (token dispatch by all-to-all over simccl, device-side
     routing with data-dependent shapes) against the one-process cpu run over the same micro-batches."""
-    ref = gpt_reference(2)
+    with reference_kernels():
+        ref = gpt_reference(2, dtype=torch.float64)
     ranks = run_distributed(expert_parallel_sim_worker, 2, backend="sim", env=REFERENCE_KERNELS)
-    # fp32 throughout. The ranks differ from the one process only in summation order: each expert's
-    # gradient sums the same token products (<= MBS*SEQ*M*dp = 128 tokens) in another grouping, and the
-    # data-parallel all-reduce adds two partial sums where the reference accumulates four micro-batches;
-    # attention runs SDPA's math path on sim and torch's fused CPU kernel on cpu (a few u = 6e-8 per
-    # activation). With 128-term sums that is <= 128 u = 7.7e-6 relative per gradient element, through
-    # SGD steps at lr 1 and clipping at 0.5 (a contraction: the update moves by at most lr * clip), so
-    # weights and losses stay within 1e-5 relative over 3 steps (assert_training_matches' default, absolute
-    # 1e-6 for weights near zero). A misrouted token or a lost expert gradient moves losses by > 1e-3.
-    assert_training_matches(ranks, ref, ("sim",) + SIM_LAYOUT)
+    # float64 with the reference kernels on both devices: the ranks differ from the one process only in the
+    # order of sums (TOL's derivation: 128-token expert gradients, the dp all-reduce of two partial sums where
+    # the reference accumulates four micro-batches). A misrouted token or a lost expert gradient moves losses
+    # by > 1e-3.
+    assert_training_matches(ranks, ref, ("sim",) + SIM_LAYOUT, rel=TOL)

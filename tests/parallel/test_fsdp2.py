@@ -7,7 +7,8 @@ bit-exact, each rank holds ~1/dp of the state, and the combinations that cannot 
 
 The model: 2 layers, hidden 32, GQA, RoPE, RMSNorm, SwiGLU (a partition stride), tied embeddings (across
 the two stages at pp2), global batch 8 in micro-batches of 2 (two micro-batches per replica at dp2, so the
-gradients accumulate unsharded before the one reduce-scatter of the step), 3 steps, fp32.
+gradients accumulate unsharded before the one reduce-scatter of the step), 3 steps, a float64 model (the C++
+kernels decline float64: both sides run the references).
 """
 from __future__ import annotations
 
@@ -22,21 +23,23 @@ from omnitron.testing.distributed import run_distributed
 STEPS = 3
 LR = 0.05
 
-# fp32, u = 2^-24 = 6e-8. The layouts differ only in the order of sums (tp splits of n <= 128-term
-# contractions, FSDP's fp32 reduce-scatter over dp against one process's sum over the batch, the micro-batch
-# accumulation): ~sqrt(n) u = d = 7e-7 relative on the loss and on each gradient entry (random-rounding
-# model), so ||dg||_2 <= d ||g||_2. SGD, momentum 0.9, clipping at 1.0 (the one process's gradient norms are
+# float64, u = 2^-53 = 1.1e-16. The layouts differ only in the order of sums (tp splits of n <= 128-term
+# contractions, FSDP's reduce-scatter over dp against one process's sum over the batch, the micro-batch
+# accumulation): <= n u = d = 1.4e-14 relative on the loss and on each gradient entry (worst case; sqrt(n) u =
+# 1.3e-15 typical), so ||dg||_2 <= d ||g||_2. SGD, momentum 0.9, clipping at 1.0 (the one process's gradient norms are
 # 1.1-1.3: every step clips, so ||g||_2 = 1 after it; the clip factor adds relative error d). The buffers
 # buf_k = sum_j 0.9^(k-j) g_j then err by ||dbuf||_2 <= (1, 1.9, 2.71) d over the 3 steps and the weights,
-# lr times their sum, by ||dw||_2 <= 0.05 x 5.61 x d = 2e-7. A weight error feeds into the next gradient
+# lr times their sum, by ||dw||_2 <= 0.05 x 5.61 x d = 3.9e-15. A weight error feeds into the next gradient
 # through the curvature, at most a factor 1 + lr ||H|| per step; ||H|| <= 10 (the run is stable at lr 0.05)
-# gives 1.5^3 = 3.4 over the run: ||dw||_2 <= 6.7e-7 (so every |dw_i| too: W_ATOL 1e-6) and ||dbuf||_2 <=
-# 2.71 x 3.4 x d = 6.4e-6 (BUF_ATOL 1e-5). Each loss then moves by |dL| <= ||g||_2 ||dw||_2 <= 1.3 x 6.7e-7
-# = 8.7e-7 absolute (1.9e-7 relative on ~4.6), plus its own evaluation's d: 9e-7 relative; REL = 1e-5.
-# The weights' norm (``--log-params-norm``) is a sum of N = 2.2e4 fp32 squares in another order: sqrt(N) u =
-# 9e-6 relative, NORM_REL = 1e-4 (a shard counted twice or not at all moves it by percent). A layout bug (a
-# missing or doubled reduction, a shard in the wrong rows) moves the first step's update by O(lr) = 5e-2.
-REL, W_ATOL, BUF_ATOL, NORM_REL = 1e-5, 1e-6, 1e-5, 1e-4
+# gives 1.5^3 = 3.4 over the run: ||dw||_2 <= 1.3e-14 (so every |dw_i| too: W_ATOL 1e-13) and ||dbuf||_2 <=
+# 2.71 x 3.4 x d = 1.3e-13 (BUF_ATOL 1e-12). Each loss then moves by |dL| <= ||g||_2 ||dw||_2 <= 1.3 x 1.3e-14
+# = 1.7e-14 absolute (3.7e-15 relative on ~4.6), plus its own evaluation's d: 1.8e-14 relative; REL = 1e-12.
+# The weights' norm (``--log-params-norm``) is a sum of N = 2.2e4 positive squares in another order, which
+# torch sums in blocks and a cascade: <= ~log2(N) u = 1.6e-15 relative (sqrt(N) u = 1.6e-14 even for a
+# recursive sum's random roundings): NORM_REL = 1e-12. A float32 run needed 1e-5 / 1e-6 / 1e-5 / 1e-4; a layout
+# bug (a missing or doubled reduction, a shard in the wrong rows) moves the first step's update by O(lr) = 5e-2,
+# and a 1e-6 slip (a reduce-scatter scaled by 1 +- 1e-6) fails here.
+REL, W_ATOL, BUF_ATOL, NORM_REL = 1e-12, 1e-13, 1e-12, 1e-12
 
 
 def _argv(root: str, *extra: str) -> list[str]:
@@ -55,13 +58,14 @@ def _argv(root: str, *extra: str) -> list[str]:
 def _train(root: str, world: int, *extra: str) -> dict:
     """Per-step losses, the validation loss after the last step (a forward-only pass through FSDP2), the final
     weights' global norm (``--log-params-norm``'s) and, under FSDP2, what this rank holds after the last step
-    (:func:`_held`)."""
+    (:func:`_held`). A float64 model, unless ``extra`` names --bf16 or --fp16."""
     from omnitron.backends import get_backend
-    from omnitron.core.training.arguments import parse_settings
     from omnitron.core.training.loop import params_norm, train
+    from omnitron.testing.training import settings_in
 
     torch.set_num_threads(1)
-    res = train(parse_settings(_argv(root, *extra), world), get_backend())
+    low = {"--bf16", "--fp16"} & set(extra)  # a precision flag keeps its dtypes; the parity runs are float64
+    res = train(settings_in(_argv(root, *extra), world, None if low else torch.float64), get_backend())
     c = res["components"]
     out = {"losses": [res["losses"][i] for i in sorted(res["losses"])], "norm": params_norm(c),
            "val": [v["val_loss"] for v in res["validation"]]}
@@ -198,10 +202,10 @@ def test_fsdp2_each_rank_holds_a_quarter_at_dp4(default_world):
     for h in held:
         assert h["kinds"] == ["momentum"] and h["unsharded_bytes"] == 0
         assert h["params"] == h["grads"] == h["state"] <= h["share"] <= 1.05 * full / 4  # rows divide ~evenly
-    # omnitron plan's count (from a meta skeleton) is the largest rank's storage: padded shards, fp32
+    # omnitron plan's count (from a meta skeleton) is the largest rank's storage: padded shards, float64 here
     plan = held[0]["plan"]
     assert plan.params == plan.grads == plan.optimizer == max(h["param_bytes"] for h in held) == \
-        max(h["state_bytes"] for h in held) == 4 * max(h["share"] for h in held)
+        max(h["state_bytes"] for h in held) == 8 * max(h["share"] for h in held)
 
 
 @pytest.mark.slow

@@ -9,17 +9,28 @@ from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.core.parallel.pipeline import PipelineError, forward_backward
 
 S, B, H, M = 5, 3, 6, 4
+# The runtime's results against plain torch, both in float64 (u = 2**-53 = 1.1e-16): the same maths in another
+# order. A gradient sums <= M x S x B = 60 token products plus the M micro-batch partial sums (and H = 6-term
+# contractions), a loss <= 60 masked token losses: reordering n <= 64 terms moves a sum by <= n u = 7e-15 of the
+# sum of its terms' magnitudes, which cancellation between signs can make a few times the value. REL = 1e-12
+# leaves a factor > 10 over that worst case; ABS = 1e-14 covers entries whose value cancels to ~0 (terms of
+# order 1: 64 u = 7e-15). What it catches that the float32 bounds (1e-5 / 1e-6) did not: a micro-batch weighted
+# 1 / M +- 1e-6, a token counted with a weight off by 1e-6, a loss scale rounded to float32.
+REL, ABS = 1e-12, 1e-14
 
 
 def _model():
+    """A float64 two-layer MLP (the same initial weights on every call)."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.Tanh(), torch.nn.Linear(H, H))
+    return torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.Tanh(), torch.nn.Linear(H, H)).double()
 
 
 def _data():
+    """M float64 micro-batches with a random loss mask (fresh random values, fixed seed)."""
     g = torch.Generator().manual_seed(3)
-    return [{"x": torch.randn(S, B, H, generator=g), "y": torch.randn(S, B, H, generator=g),
-             "loss_mask": (torch.rand(S, B, generator=g) > 0.3).float()} for _ in range(M)]
+    f64 = torch.float64
+    return [{"x": torch.randn(S, B, H, generator=g, dtype=f64), "y": torch.randn(S, B, H, generator=g, dtype=f64),
+             "loss_mask": (torch.rand(S, B, generator=g) > 0.3).double()} for _ in range(M)]
 
 
 def _step(chunk, batch, hidden):
@@ -34,7 +45,7 @@ def test_gradient_accumulation_matches_float64_reference():
     out = forward_backward(None, [model], iter(_data()), groups, num_microbatches=M, seq_length=S,
                            micro_batch_size=B, hidden_size=H, forward_step_fn=_step)
     finalize_model_grads([model], groups)
-    ref = _model().double()
+    ref = _model()
     means = []
     for d in _data():
         per_tok = ((ref(d["x"].double()) - d["y"].double()) ** 2).mean(-1)
@@ -42,16 +53,17 @@ def test_gradient_accumulation_matches_float64_reference():
         (mean / M).backward()
         means.append(mean.item())
     assert out["schedule"].name == "none"
-    assert out["loss"] == pytest.approx(sum(means) / M, rel=1e-6)
+    assert out["loss"] == pytest.approx(sum(means) / M, rel=REL)
     assert out["tokens"] == sum(d["loss_mask"].sum().item() for d in _data())
     for p, r in zip(model.module.parameters(), ref.parameters()):
         assert p.grad is None  # moved into main_grad by the hook
-        torch.testing.assert_close(p.main_grad.double(), r.grad, rtol=1e-6, atol=1e-8)
+        assert p.main_grad.dtype == torch.float64
+        torch.testing.assert_close(p.main_grad, r.grad, rtol=REL, atol=ABS)
     # forward-only: same loss, no gradients touched
     before = [p.main_grad.clone() for p in model.module.parameters()]
     ev = forward_backward(None, [model], iter(_data()), groups, num_microbatches=M, seq_length=S,
                           micro_batch_size=B, hidden_size=H, forward_step_fn=_step, forward_only=True)
-    assert ev["loss"] == pytest.approx(out["loss"], rel=1e-6)
+    assert ev["loss"] == pytest.approx(out["loss"], rel=REL)
     assert all(torch.equal(a, p.main_grad) for a, p in zip(before, model.module.parameters()))
 
 
@@ -84,7 +96,8 @@ def test_weight_grad_split_matches_full_backward_without_redoing_input_grads():
 
     torch.manual_seed(1)
     m = torch.nn.Sequential(torch.nn.Linear(H, 8), torch.nn.GELU(), torch.nn.LayerNorm(8), torch.nn.Linear(8, H))
-    x, g = torch.randn(S, B, H, requires_grad=True), torch.randn(S, B, H)
+    m = m.double()
+    x, g = torch.randn(S, B, H, requires_grad=True, dtype=torch.float64), torch.randn(S, B, H, dtype=torch.float64)
     out = m(x)
     runs = []
     todo, gelu_node = [out.grad_fn], None  # the GELU's backward: input path only, no weights under it
@@ -99,31 +112,32 @@ def test_weight_grad_split_matches_full_backward_without_redoing_input_grads():
     plan.run()
     assert len(runs) == 1  # W did not re-run the input-gradient chain
     got = [p.grad.clone() for p in m.parameters()]
-    ref = m.double()
-    xr = x.detach().double().requires_grad_()
+    ref = m
+    xr = x.detach().requires_grad_()
     ref.zero_grad()
-    ref(xr).backward(g.double())
-    torch.testing.assert_close(g_in.double(), xr.grad, rtol=1e-5, atol=1e-6)
+    ref(xr).backward(g)
+    # the split and the full backward differ in the order of the weight-gradient sums over S x B = 15 tokens
+    torch.testing.assert_close(g_in, xr.grad, rtol=REL, atol=ABS)
     for a, p in zip(got, ref.parameters()):
-        torch.testing.assert_close(a.double(), p.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, p.grad, rtol=REL, atol=ABS)
 
 
 def test_weight_grad_split_falls_back_when_a_weight_is_shared():
     from omnitron.core.parallel.pipeline.wgrad import backward_input
 
     torch.manual_seed(2)
-    lin = torch.nn.Linear(H, H)
-    x, g = torch.randn(B, H, requires_grad=True), torch.randn(B, H)
+    lin = torch.nn.Linear(H, H).double()
+    x, g = torch.randn(B, H, requires_grad=True, dtype=torch.float64), torch.randn(B, H, dtype=torch.float64)
     out = lin(torch.tanh(lin(x)))  # the same weight on two boundaries
     g_in, plan = backward_input(out, g, x, list(lin.parameters()))
     assert plan.fallback
     plan.run()
-    w = lin.weight.detach().double().requires_grad_()
-    b = lin.bias.detach().double().requires_grad_()
-    xr = x.detach().double().requires_grad_()
-    (torch.nn.functional.linear(torch.tanh(torch.nn.functional.linear(xr, w, b)), w, b) * g.double()).sum().backward()
-    torch.testing.assert_close(lin.weight.grad.double(), w.grad, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(g_in.double(), xr.grad, rtol=1e-5, atol=1e-6)
+    w = lin.weight.detach().clone().requires_grad_()
+    b = lin.bias.detach().clone().requires_grad_()
+    xr = x.detach().clone().requires_grad_()
+    (torch.nn.functional.linear(torch.tanh(torch.nn.functional.linear(xr, w, b)), w, b) * g).sum().backward()
+    torch.testing.assert_close(lin.weight.grad, w.grad, rtol=REL, atol=ABS)
+    torch.testing.assert_close(g_in, xr.grad, rtol=REL, atol=ABS)
 
 
 def test_fully_masked_microbatch_contributes_zero_with_zero_gradient():
@@ -138,7 +152,7 @@ def test_fully_masked_microbatch_contributes_zero_with_zero_gradient():
     out = forward_backward(None, [model], iter(data), groups, num_microbatches=M, seq_length=S,
                            micro_batch_size=B, hidden_size=H, forward_step_fn=_step)
     finalize_model_grads([model], groups)
-    ref = _model().double()
+    ref = _model()
     total = 0.0
     for i, d in enumerate(data):
         if i == 1:
@@ -147,9 +161,10 @@ def test_fully_masked_microbatch_contributes_zero_with_zero_gradient():
         mean = (per_tok * d["loss_mask"]).sum() / d["loss_mask"].sum()
         (mean / M).backward()
         total += mean.item()
-    assert out["loss"] == pytest.approx(total / M, rel=1e-6)
+    assert out["loss"] == pytest.approx(total / M, rel=REL)
     for p, r in zip(model.module.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.main_grad.double(), r.grad, rtol=1e-6, atol=1e-8)
+        assert p.main_grad.dtype == torch.float64
+        torch.testing.assert_close(p.main_grad, r.grad, rtol=REL, atol=ABS)
 
 
 def test_weight_grad_fallback_reruns_a_loss_that_writes_its_gradient_in_place():

@@ -5,7 +5,7 @@ One spawn per layout runs fp32 and bf16: the uninterrupted run, the run stopped 
 --exit-interval N (which saves), and the resumed run; per-iteration losses must be identical.
 The same spawn also trains with dropout off (at tp2 x pp2 also interleaved + SP + recompute, and
 with uneven stages via --decoder-first-pipeline-num-layers) and tight gradient clipping, whose losses must equal
-the one-process run of the training loop (fp32, 1e-5): the loop's gradient reduction, clipping
+the one-process run of the training loop (a float64 model, PARITY_REL): the loop's gradient reduction, clipping
 norm and optimizer are layout-independent.
 """
 from __future__ import annotations
@@ -15,8 +15,10 @@ import os
 import pytest
 
 from omnitron.testing.distributed import run_distributed
+from omnitron.testing.parity import ADAM_LOOP_REL
 
 N = 3
+PARITY_REL = ADAM_LOOP_REL  # the parity runs: a float64 model, 2N = 6 AdamW steps (the bound's analysis)
 
 
 def _args(tp, pp, dtype, save, extra=()):
@@ -38,6 +40,16 @@ VP_SP_RECOMPUTE = ["--num-layers-per-virtual-pipeline-stage", "1", "--sequence-p
 
 
 UNEVEN = ["--decoder-first-pipeline-num-layers", "1"]
+
+
+def _parity(tp, pp, root, world, be, extra=()) -> dict:
+    """The parity run's losses: a float64 model, dropout off, tight clipping (``_parity_args``)."""
+    import torch
+
+    from omnitron.core.training.loop import train
+    from omnitron.testing.training import settings_in
+
+    return train(settings_in(_parity_args(tp, pp, root, extra), world, torch.float64), be)["losses"]
 
 
 def _parity_args(tp, pp, root, extra=()):
@@ -77,14 +89,13 @@ def _worker(tp, pp, root):
         second = train(parse_settings(_args(tp, pp, dtype, part, ["--load", part]), dist.get_world_size()), be)
         out[dtype] = (full["losses"], first["losses"], second["losses"])
         out[dtype + "_validation"] = (full["validation"], first["validation"] + second["validation"])
-    out["parity"] = train(parse_settings(_parity_args(tp, pp, root), dist.get_world_size()), be)["losses"]
+    out["parity"] = _parity(tp, pp, root, dist.get_world_size(), be)
     if (tp, pp) == (2, 2):  # interleaved schedule, sequence parallelism and full recomputation on top
-        out["parity_vp"] = train(parse_settings(_parity_args(tp, pp, root, VP_SP_RECOMPUTE), dist.get_world_size()),
-                                 be)["losses"]
+        out["parity_vp"] = _parity(tp, pp, root, dist.get_world_size(), be, VP_SP_RECOMPUTE)
         # uneven stages: 1 layer (+ embedding) on the first stage, 3 (+ output layer) on the last
-        uneven = parse_settings(_parity_args(tp, pp, root, UNEVEN), dist.get_world_size())
-        out["parity_uneven"] = train(uneven, be)["losses"]
-        out["uneven_layers"] = _stage_layers(uneven, be)
+        out["parity_uneven"] = _parity(tp, pp, root, dist.get_world_size(), be, UNEVEN)
+        out["uneven_layers"] = _stage_layers(parse_settings(_parity_args(tp, pp, root, UNEVEN), dist.get_world_size()),
+                                             be)
     return out
 
 
@@ -110,10 +121,8 @@ def test_resume_bit_exact(tp, pp, tmp_path):
         assert [v["val_loss"] for v in pieces] == [v["val_loss"] for v in whole], (dtype, whole, pieces)
         assert len({v["val_loss"] for v in whole}) == 4  # each evaluation read other batches
     from omnitron.backends import get_backend
-    from omnitron.core.training.arguments import parse_settings
-    from omnitron.core.training.loop import train
 
-    single = train(parse_settings(_parity_args(1, 1, str(tmp_path / "single")), 1), get_backend("cpu"))["losses"]
+    single = _parity(1, 1, str(tmp_path / "single"), 1, get_backend("cpu"))
     if (tp, pp) == (2, 2):  # ranks 0-1 are the first stage, 2-3 the last
         assert [r["uneven_layers"] for r in results] == [1, 1, 3, 3]
     for key in ("parity", "parity_vp", "parity_uneven"):
@@ -122,4 +131,4 @@ def test_resume_bit_exact(tp, pp, tmp_path):
         got = results[0][key]
         assert sorted(single) == sorted(got)
         for it, loss in single.items():
-            assert abs(got[it] - loss) <= 1e-5 * abs(loss), (key, it, got, single)
+            assert abs(got[it] - loss) <= PARITY_REL * abs(loss), (key, it, got, single)
