@@ -609,21 +609,30 @@ class SimCollectives final : public c10d::Backend {
 
   // A report of this group that reached this communicator on the watchdog (its cycle found, or a peer's report
   // read) is raised by its release (flush_cycles), once, unless an operation raised it, or any operation on the
-  // device raised after it came (the same fault said another way: gloo's error once the peer aborted, a timeout,
-  // another group's report that broke the device first): at the job's end, and mid-run too when no later operation
-  // on the device raised (NCCL hangs there: the job must not end cleanly). Shared with the watch's callback, which
-  // may outlive the communicator.
+  // device raised after it came, or after another group's report broke the device first (the same fault said
+  // another way: gloo's error once the peer aborted, a timeout, that other report): at the job's end, and mid-run
+  // too when no later operation on the device raised (NCCL hangs there: the job must not end cleanly). Shared with
+  // the watch's callback, which may outlive the communicator.
   struct OwnReport {
     std::mutex m;
     std::string report;
     int device = 0;
-    int64_t raised_at = 0;  // raised_ops(device) when the report came
+    int64_t raised_at = 0;  // raised_ops(device) when the report came, or when another report broke the device
     void note(const std::string& r, int on) {
+      // A report that comes to a device another report broke first is that failure said again: an operation
+      // that raised since the break said both, whether the watchdog noted this one before it or after (a poll
+      // late under load); reading the time of noting alone made the outcome depend on the poll's timing.
+      int64_t at = raised_ops(on);
+      {
+        Queue& q = g_queues[on];
+        std::lock_guard<std::mutex> lock(q.m);
+        if (!q.broken.empty() && q.broken != r) at = q.raised_when_broken;
+      }
       std::lock_guard<std::mutex> lock(m);
       if (!report.empty()) return;
       report = r;
       device = on;
-      raised_at = raised_ops(on);
+      raised_at = at;
     }
     std::string take() {  // "" or the report when no operation raised since it came
       std::lock_guard<std::mutex> lock(m);

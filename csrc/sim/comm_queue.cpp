@@ -121,6 +121,7 @@ std::string broken_report(Queue& q) {
 // communicator does: every later collective on the device raises it.
 void abort_queue(Queue& q, const std::string& message) {
   q.broken = message;
+  q.raised_when_broken = raised_ops(static_cast<int>(&q - g_queues));
   for (auto& item : q.items) {
     item->error = q.broken;
     item->done = true;

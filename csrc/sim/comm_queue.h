@@ -81,6 +81,7 @@ struct Queue {
   std::thread worker, watchdog;  // started by the first collective, joined by stop_collective_workers()
   bool stop = false;
   std::string broken;
+  int64_t raised_when_broken = 0;  // raised_ops of the device when it broke (abort_queue)
   SteadyClock::time_point started_at;  // when the running collective was launched
 };
 extern Queue* const g_queues;  // one per device (comm_queue.cpp)
@@ -111,7 +112,8 @@ void p2p_activity(const void* owner);
 [[noreturn]] void raise_report(const std::string& report);
 bool raised_before(const std::string& report);
 // Operations on device ``device`` that raised, whatever the error (a report, gloo's, a timeout): a report noted
-// before one of them raised is spent, the job's error already said (collectives.cpp, OwnReport).
+// before one of them raised (or on a device another report broke before it raised) is spent, the job's error
+// already said (collectives.cpp, OwnReport).
 void note_raised(int device);
 int64_t raised_ops(int device);
 

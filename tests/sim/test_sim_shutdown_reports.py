@@ -146,11 +146,13 @@ def test_a_report_found_mid_run_that_no_operation_raised_surfaces_at_the_end():
         assert r["name"] in m and m.count("test_sim_shutdown_reports.py") == 6, r
 
 
-def two_reports_then_an_error() -> dict:
+def two_reports_then_an_error(late: bool = False) -> dict:
     """Rank 1 issues an unbatched send to rank 0 on group A and one to rank 2 on group B, never waited; 0.5 s later
     ranks 0 and 2 each issue a send back at the same place (two sends: each raises its report at issue, and leaves
     it for rank 1). Rank 1's watchdog notes both, each by its own group's communicator; the first breaks its device,
-    so its next operation raises that one only. Then every rank destroys A and B: per step, "" or the error."""
+    so its next operation raises that one only. Then every rank destroys A and B: per step, "" or the error.
+    ``late``: rank 2 sends only once rank 1's operation raised A's report, and rank 1 destroys the groups after its
+    watchdog's polls read B's (a poll that came after the operation, as on a loaded machine)."""
     import time
 
     import torch.distributed as dist
@@ -159,37 +161,52 @@ def two_reports_then_an_error() -> dict:
     from omnitron.testing.distributed import device_wedged
 
     dev, me = get_backend().device(), dist.get_rank()
+    store = dist.distributed_c10d._get_default_store()
     a, b = dist.new_group([0, 1]), dist.new_group([1, 2])
     x, out = torch.zeros(4, device=dev), {}
     if me == 1:
         out["works"] = [dist.isend(x, 0, group=a), dist.isend(x, 2, group=b)]  # first at each place
+    elif late and me == 2:
+        store.wait(["raised"])
     else:
         time.sleep(0.5)
+    if me != 1:
         try:
             dist.isend(x, 1, group=a if me == 0 else b)
             out["send"] = ""
         except RuntimeError as err:
             out["send"] = str(err)
-    time.sleep(1.5)  # a watchdog poll or two (0.1 s each): both reports noted on rank 1
+        if late and me == 2:
+            store.set("sent", "1")
+    if not late:
+        time.sleep(1.5)  # a watchdog poll or two (0.1 s each): both reports noted on rank 1
     out["op"] = ""
     if me == 1:
         try:
-            dist.all_reduce(torch.ones(2, device=dev))
+            dist.all_reduce(torch.ones(2, device=dev))  # late: waits until A's report breaks the device
         except RuntimeError as err:
             out["op"] = str(err)
+        if late:
+            store.set("raised", "1")
+            store.wait(["sent"])
+            time.sleep(1.5)  # fifteen watchdog polls (0.1 s each) read B's report before B's destroy
     device_wedged()  # the closing barrier on the store: the devices are broken
     out.pop("works", None)
     return destroy_each((("B", b), ("A", a)), out)
 
 
-def test_a_report_the_job_said_another_way_is_not_raised_again_at_release():
-    """Rank 1's operation raised one of the two reports (the device's, broken by the first noted); the other, noted
-    before that operation raised, is the same job's failure: NCCL's job hangs (or its watchdog ends it) once, so no
-    release raises it as a second error in teardown (it used to: B's or A's destroy raised it)."""
-    r0, r1, r2 = run_distributed(two_reports_then_an_error, 3, backend="sim", env=ENV, timeout_s=150)
+@pytest.mark.parametrize("late", [False, True], ids=["noted-before", "noted-after"])
+def test_a_report_the_job_said_another_way_is_not_raised_again_at_release(late):
+    """Rank 1's operation raised one of the two reports (the device's, broken by the first noted); the other is the
+    same job's failure: NCCL's job hangs (or its watchdog ends it) once, so no release raises it as a second error in
+    teardown (it used to: B's or A's destroy raised it), whether rank 1's watchdog noted it before that operation
+    raised or after (``late``: B's destroy raised it, an outcome that hung on the watchdog's timing under load)."""
+    r0, r1, r2 = run_distributed(two_reports_then_an_error, 3, late, backend="sim", env=ENV, timeout_s=150)
     for r in (r0, r2):
         assert "sim: point-to-point deadlock on group '" in r["send"], r
         assert r["A"] == "" and r["B"] == "", r
     assert "sim: point-to-point deadlock on group '" in r1["op"], r1
     assert r1["op"] in (r0["send"], r2["send"]), (r1, r0, r2)
+    if late:
+        assert r1["op"] == r0["send"], (r1, r0)  # A's: B's report came after the operation raised
     assert r1["A"] == "" and r1["B"] == "", r1
