@@ -149,14 +149,27 @@ def test_the_searchs_state_bound_is_below_every_layouts_state(name, pp, tmp_path
     """``recommend`` drops a layout whose ``state_lower_bound`` exceeds the memory, so the bound must not exceed the
     largest stage's parameter + gradient + optimizer bytes (Muon keeps one fp32 word for the matrices it
     orthogonalises, two for the rest: the bound may count one). Exact integer byte counts on both sides."""
+    _bound_below_state(_args(str(tmp_path), 1, pp, BOUND[name]), pp, pp)
+
+
+def _bound_below_state(args: list[str], world: int, pp: int) -> None:
+    """``state_lower_bound`` of these settings is at most the largest stage's predicted state (exact integers)."""
     from omnitron.core.training.arguments import parse_settings
     from omnitron.plan.memory import model_config
     from omnitron.plan.recommend import state_lower_bound
     from omnitron.plan.state import state_bytes
 
-    s = parse_settings(_args(str(tmp_path), 1, pp, BOUND[name]), pp)
+    s = parse_settings(args, world)
     most = max(st.params + st.grads + st.optimizer for st in (state_bytes(s, model_config(s), r) for r in range(pp)))
-    assert state_lower_bound(s) <= most
+    assert state_lower_bound(s) <= most, (state_lower_bound(s), most)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("name", [n for n, flags in BOUND.items() if "--use-distributed-optimizer" in flags])
+def test_the_state_bound_shares_the_optimizer_over_data_parallel_ranks(name, pp, tmp_path):
+    """At dp 4 the distributed optimizer's state is a quarter of it on each rank: the bound divides it too (one that
+    did not would exceed the layout's state and drop layouts that fit)."""
+    _bound_below_state(_args(str(tmp_path), 1, pp, [*BOUND[name], "--global-batch-size", "4"]), 4 * pp, pp)
 
 
 def held(args: list[str], world: int, float64: bool = False) -> tuple[int, tuple[int, int, int], tuple]:
