@@ -10,6 +10,20 @@ import sys
 import time
 
 
+class DictStore(dict):
+    """The rendezvous-store calls the watchdog makes (``set``, ``get``, ``check``), on a dict: its heartbeat and
+    census logic in one process, without a store server."""
+
+    def set(self, k, v):
+        self[k] = v.encode() if isinstance(v, str) else v
+
+    def get(self, k):
+        return self[k]
+
+    def check(self, keys):
+        return all(k in self for k in keys)
+
+
 def tiny_train_args(tmp_path, *extra: str) -> list[str]:
     """A 2-layer GPT on mock data, logging every step into ``tmp_path/ck``'s metrics."""
     return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",

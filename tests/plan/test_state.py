@@ -149,14 +149,27 @@ def test_the_searchs_state_bound_is_below_every_layouts_state(name, pp, tmp_path
     """``recommend`` drops a layout whose ``state_lower_bound`` exceeds the memory, so the bound must not exceed the
     largest stage's parameter + gradient + optimizer bytes (Muon keeps one fp32 word for the matrices it
     orthogonalises, two for the rest: the bound may count one). Exact integer byte counts on both sides."""
+    _bound_below_state(_args(str(tmp_path), 1, pp, BOUND[name]), pp, pp)
+
+
+def _bound_below_state(args: list[str], world: int, pp: int) -> None:
+    """``state_lower_bound`` of these settings is at most the largest stage's predicted state (exact integers)."""
     from omnitron.core.training.arguments import parse_settings
     from omnitron.plan.memory import model_config
     from omnitron.plan.recommend import state_lower_bound
     from omnitron.plan.state import state_bytes
 
-    s = parse_settings(_args(str(tmp_path), 1, pp, BOUND[name]), pp)
+    s = parse_settings(args, world)
     most = max(st.params + st.grads + st.optimizer for st in (state_bytes(s, model_config(s), r) for r in range(pp)))
-    assert state_lower_bound(s) <= most
+    assert state_lower_bound(s) <= most, (state_lower_bound(s), most)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("name", [n for n, flags in BOUND.items() if "--use-distributed-optimizer" in flags])
+def test_the_state_bound_shares_the_optimizer_over_data_parallel_ranks(name, pp, tmp_path):
+    """At dp 4 the distributed optimizer's state is a quarter of it on each rank: the bound divides it too (one that
+    did not would exceed the layout's state and drop layouts that fit)."""
+    _bound_below_state(_args(str(tmp_path), 1, pp, [*BOUND[name], "--global-batch-size", "4"]), 4 * pp, pp)
 
 
 def held(args: list[str], world: int, float64: bool = False) -> tuple[int, tuple[int, int, int], tuple]:
@@ -232,3 +245,41 @@ def test_float64_state_bound_counts_float64_words(name, tmp_path):
              "fp32_accumulation": ["--accumulate-allreduce-grads-in-fp32"]}[name]
     bound, real = _bound_and_held(_args(str(tmp_path), 1, 1, [*extra, "--make-vocab-size-divisible-by", "8"]))
     assert bound == (3 * real[0] if name == "muon" else sum(real))  # real[0]: 8 bytes an element
+
+
+@pytest.mark.parametrize("tp,pp,ep,etp", [(2, 1, 2, 2), (2, 2, 2, 2), (2, 2, 2, 1), (2, 1, 4, 2)])
+def test_expert_replica_group_is_the_rank_grids(tp, pp, ep, etp, tmp_path):
+    """The planner's expert data-parallel size (the replica group its expert gradients and distributed-optimizer
+    slices are counted over) is the size of the engine's own ``edp`` group on a 16-rank grid, expert tensor
+    parallelism included (a size that left out etp counted the expert slices over twice the ranks at etp 2)."""
+    from omnitron.core.parallel.grid import rank_grid
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.plan.state import expert_data_parallel_size
+
+    world = 16
+    s = parse_settings(_args(str(tmp_path), tp, pp, ["--num-experts", "4", "--moe-router-topk", "2",
+                                                     "--expert-model-parallel-size", str(ep),
+                                                     "--expert-tensor-parallel-size", str(etp)]), world)
+    sizes = {len(members) for members in rank_grid(s.parallel, world)["edp"]}
+    assert sizes == {expert_data_parallel_size(s)}, (sizes, expert_data_parallel_size(s))
+
+
+def _onebit_measured(args: list[str], world: int) -> tuple[int, int, int, int]:
+    """The built 1-bit Adam's (state bytes, server error bytes, worker error bytes, parameter elements)."""
+    from omnitron.backends import get_backend
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.components import build_components
+
+    c = build_components(parse_settings(args, world), get_backend())
+    opt, elements = c.optimizer, sum(p.numel() for m in c.modules for p in m.parameters())
+    return (opt.state_bytes(), sum(e.server.untyped_storage().nbytes() for e in opt.errors),
+            sum(e.worker.untyped_storage().nbytes() for e in opt.errors), elements)
+
+
+def test_onebit_adam_state_is_the_built_optimizers_less_its_server_error(tmp_path):
+    """1-bit Adam's predicted optimizer bytes (bf16: fp32 masters, two moments and the worker error, a word each per
+    parameter element) equal the built optimizer's storages with the worker error counted unpadded (4 bytes an
+    element) and the server error (1/dp of it) left out, as state.py's NOTE says."""
+    args = _args(str(tmp_path), 1, 1, ["--bf16", "--optimizer", "onebit_adam"])
+    real, server, worker, elements = run_distributed(_onebit_measured, 1, args, 1)[0]
+    assert _predicted(args, 1, 0)[2] == real - server - worker + 4 * elements, (real, server, worker, elements)

@@ -15,7 +15,8 @@ import time
 import pytest
 
 from omnitron.core.training.workers import GRACE_ENV
-from omnitron.testing.faults import children, records, start, tiny_train_args, wait_for_iteration, wait_gone
+from omnitron.testing.faults import (DictStore, children, records, start, tiny_train_args, wait_for_iteration,
+                                     wait_gone)
 
 TIMEOUT_S = 6.0
 """The watchdog / collective timeout of these runs: long enough for a step on a loaded 2-core machine."""
@@ -430,19 +431,6 @@ def test_timeout_is_the_flags_minutes_unless_the_environment_gives_seconds(monke
     assert [heartbeat_interval(t) for t in (1.0, 12.0, 36.0, 600.0)] == [0.2, 1.0, 3.0, 5.0]
 
 
-class _DictStore(dict):
-    """The store calls the watchdog makes, on a dict (one process; no server)."""
-
-    def set(self, k, v):
-        self[k] = v.encode() if isinstance(v, str) else v
-
-    def get(self, k):
-        return self[k]
-
-    def check(self, keys):
-        return all(k in self for k in keys)
-
-
 @pytest.mark.parametrize("peer_beats", [False, True])
 def test_a_peer_whose_heartbeat_counter_stops_is_named_frozen_between_steps(peer_beats):
     """Outside any step deadline, rank 0 names its watched peer (rank 1) frozen once the peer's counter has not
@@ -451,7 +439,7 @@ def test_a_peer_whose_heartbeat_counter_stops_is_named_frozen_between_steps(peer
     value, would never fire here.)"""
     from omnitron.core.training.watchdog import Watchdog
 
-    store, fired, stop = _DictStore({"hb/1": b"7", "info/1": b"pid 42 on host"}), [], threading.Event()
+    store, fired, stop = DictStore({"hb/1": b"7", "info/1": b"pid 42 on host"}), [], threading.Event()
 
     class Recorder(Watchdog):
         def fire(self, reason, suspect=None, publish=True, kind="watchdog"):
