@@ -29,15 +29,18 @@ class _Device:
 
     name = "test"
 
-    def __init__(self, total: int, host_memory: bool, devices: int = 1) -> None:
+    def __init__(self, total: int, host_memory: bool, devices: int = 1, per_process: bool = False) -> None:
         self.caps = types.SimpleNamespace(memory_total=total, host_memory=host_memory)
-        self.devices = devices
+        self.devices, self.per_process = devices, per_process
 
     def capabilities(self):
         return self.caps
 
     def device_count(self) -> int:
         return self.devices
+
+    def visibility_may_be_per_process(self) -> bool:
+        return self.per_process
 
 
 def _reference_peak(pp: int, world: int, local: int, devices: int, needs: list[int]) -> int:
@@ -92,6 +95,25 @@ def test_ranks_sharing_host_memory_are_weighed_together(local, monkeypatch):
     fits.check_fits(settings, _Device(one, host_memory=False, devices=local))
     with pytest.raises(fits.DoesNotFit, match=r"the 2 ranks on one device hold together"):
         fits.check_fits(settings, _Device(2 * one - 1, host_memory=False, devices=local - 1))
+
+
+@pytest.mark.parametrize("local", [2, 8])
+def test_a_rank_that_sees_only_its_own_device_is_weighed_alone(local, monkeypatch):
+    """``srun --gpus-per-task=1`` with RANK / LOCAL_RANK / LOCAL_WORLD_SIZE exported: each of the host's ``local``
+    ranks sees one device, its own. A device that holds one rank's state (hand-derived, 16 bytes a parameter, plus
+    the buckets' padding) fits; it used to be refused as the ``local`` ranks' sum. The same single visible device
+    with no per-process mask (the host has one device, every rank on it) is still refused one byte short of the
+    ranks' sum; one byte short of one rank's state is refused either way."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+    settings = parse_settings(_argv(16, 1, 64) + ["--global-batch-size", str(local)], local)
+    one = fits.state_peak(settings)[0]
+    assert 0 <= one - _hand_bytes(16, 1, 64, 16) < 4 * local * (4 + 12)  # the padding bound of the test above
+    fits.check_fits(settings, _Device(one, host_memory=False, devices=1, per_process=True))
+    with pytest.raises(fits.DoesNotFit, match="each rank holds"):
+        fits.check_fits(settings, _Device(one - 1, host_memory=False, devices=1, per_process=True))
+    with pytest.raises(fits.DoesNotFit, match=rf"the {local} ranks on one device hold together"):
+        fits.check_fits(settings, _Device(local * one - 1, host_memory=False, devices=1, per_process=False))
 
 
 def test_the_launchers_ranks_count_too(monkeypatch):
