@@ -12,10 +12,17 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import tempfile
+import time
 
 from omnitron.core.config.parallel import ConfigError
 
 log = logging.getLogger(__name__)
+
+SAID_WAIT_S = 10.0
+"""How long a quiet local rank waits for its local rank 0 to print the refusal before it exits (its exit makes
+torchrun SIGTERM the host's other ranks; a local rank 0 still importing then died before it said anything)."""
 
 
 def stage_needs(settings) -> list[int]:
@@ -140,3 +147,38 @@ def _fewer(ranks: int, caps) -> str:
 
 def _size(n: int) -> str:
     return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.3f} MiB"
+
+
+def refuse_once_a_host(err: DoesNotFit) -> int:
+    """Exit code 2 for every rank, the line printed by local rank 0 only (every rank reaches the same verdict).
+
+    The other local ranks wait (at most :data:`SAID_WAIT_S`) until local rank 0 has printed, marked by a file in
+    the host's temporary folder named after the process that started the host's ranks (torchrun's agent; the same
+    for each local rank) and the attempt: their exit would make torchrun SIGTERM the rest, and a local rank 0 that
+    had not reached its print yet (slow imports) died without a word on the host's stderr."""
+    from omnitron.core.training.failures import refuse
+
+    marker = _said_marker()
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        code = refuse(err)
+        sys.stderr.flush()
+        try:
+            marker.touch()
+        except OSError:  # an unwritable temporary folder: the others wait out their bound
+            pass
+        return code
+    code = refuse(err, say=False)
+    deadline = time.monotonic() + SAID_WAIT_S
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return code
+
+
+def _said_marker():
+    """The file local rank 0 touches once it has printed the refusal (:func:`refuse_once_a_host`)."""
+    import pathlib
+
+    from omnitron.core.training.prejoin import attempt
+
+    name = f"omnitron-unfit-{os.getppid()}-{os.environ.get('MASTER_PORT', '')}-{attempt()}"
+    return pathlib.Path(tempfile.gettempdir()) / name

@@ -137,6 +137,7 @@ def test_a_refusal_is_said_by_local_rank_0_only(local_rank, monkeypatch, capsys,
         raise AssertionError("launched a run that cannot fit")
 
     monkeypatch.setattr(launch, "launch", no_launch)
+    monkeypatch.setattr(fits, "SAID_WAIT_S", 0.1)  # no local rank 0 here to wait for
     argv = {"num_layers": 1, "hidden_size": 16, "num_attention_heads": 4, "seq_length": 16,
             "max_position_embeddings": 16, "micro_batch_size": 1, "global_batch_size": 2, "train_iters": 2,
             "mock_data": True, "tokenizer_type": "NullTokenizer", "vocab_size": 64, "backend": "cpu"}
@@ -153,6 +154,45 @@ def test_a_refusal_is_said_by_local_rank_0_only(local_rank, monkeypatch, capsys,
     assert "the 2 ranks on one host" in (tmp_path / "error.json").read_text()
     if local_rank == "0":
         assert err[0].startswith("omnitron train: error: the model does not fit: the 2 ranks on one host"), err
+
+
+_RANK = """
+import dataclasses, sys, time
+import omnitron.backends.cpu.backend as cpu
+from omnitron.commands.train import main_from_dict
+real = cpu.CPUBackend.capabilities
+cpu.CPUBackend.capabilities = lambda self: dataclasses.replace(real(self), memory_total=1)
+time.sleep(float(sys.argv[1]))
+sys.exit(main_from_dict({"num_layers": 1, "hidden_size": 16, "num_attention_heads": 4, "seq_length": 16,
+    "max_position_embeddings": 16, "micro_batch_size": 1, "global_batch_size": 2, "train_iters": 2,
+    "mock_data": True, "tokenizer_type": "NullTokenizer", "vocab_size": 64, "backend": "cpu"}))
+"""
+
+
+def test_the_line_is_said_when_local_rank_0_is_slow(tmp_path):
+    """An agent as torchrun's: two local ranks, children of one process, the first to exit makes it SIGTERM the
+    other. Local rank 0 reaches the check 3 s after local rank 1 (slow imports); the host's stderr still has the
+    refusal's one line (before, local rank 1 exited at once and local rank 0 died of the SIGTERM, silent)."""
+    import time
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
+               RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_PORT=str(random.randint(20000, 60000)))
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    ranks = []
+    for local, delay in (("0", "3"), ("1", "0")):
+        err = open(tmp_path / f"err{local}", "w")
+        ranks.append(subprocess.Popen([sys.executable, "-c", _RANK, delay], stderr=err, text=True,
+                                      env=dict(env, RANK=local, LOCAL_RANK=local)))
+    deadline = time.monotonic() + 120
+    while all(p.poll() is None for p in ranks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for p in ranks:  # the agent's reaction to the first exit
+        if p.poll() is None:
+            p.terminate()
+    codes = [p.wait(timeout=60) for p in ranks]
+    said = [line for local in "01" for line in (tmp_path / f"err{local}").read_text().splitlines()
+            if "the model does not fit" in line]
+    assert len(said) == 1 and codes == [2, 2], (codes, said)
 
 
 @pytest.mark.parametrize("name", ["cpu", "sim"])
