@@ -109,6 +109,20 @@ sys.exit(main(args))
 """
 
 
+def _rank0_marks_its_wait(tmp_path):
+    """(the flag file, the ranks' environment): rank 0 marks its arrival in the join (a file, through a
+    sitecustomize on the path), so rank 1 fails then and not while rank 0 still imports."""
+    flag, site = tmp_path / "rank0_waits", tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os\nif os.environ.get('RANK') == '0':\n"
+        "    from omnitron.core.training import workers\n    real = workers._wait_for_arrivals\n"
+        f"    def wait(*a, **k):\n        open({str(flag)!r}, 'w').close()\n        return real(*a, **k)\n"
+        "    workers._wait_for_arrivals = wait\n")
+    return flag, dict(os.environ, OMNITRON_KERNELS="reference",
+                      PYTHONPATH=os.pathsep.join([str(site), os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["refused", "crashed"])
 def test_torchrun_peer_of_a_failed_rank_exits_promptly(tmp_path, how):
@@ -117,17 +131,7 @@ def test_torchrun_peer_of_a_failed_rank_exits_promptly(tmp_path, how):
     cause), before torchrun's SIGKILL (which took 30 s after its SIGTERM; 48 s for the refused job, measured)."""
     script = tmp_path / "ranks.py"
     script.write_text(RANK_SCRIPT)
-    flag = tmp_path / "rank0_waits"
-    sitecustom = tmp_path / "site"
-    sitecustom.mkdir()
-    # rank 0 marks its arrival in the join (a file), so rank 1 fails then and not while rank 0 still imports
-    (sitecustom / "sitecustomize.py").write_text(
-        "import os\nif os.environ.get('RANK') == '0':\n"
-        "    from omnitron.core.training import workers\n    real = workers._wait_for_arrivals\n"
-        f"    def wait(*a, **k):\n        open({str(flag)!r}, 'w').close()\n        return real(*a, **k)\n"
-        "    workers._wait_for_arrivals = wait\n")
-    env = dict(os.environ, OMNITRON_KERNELS="reference",
-               PYTHONPATH=os.pathsep.join([str(sitecustom), os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    flag, env = _rank0_marks_its_wait(tmp_path)
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                              "--monitor-interval", "0.1", str(script), str(tmp_path / "logs"), str(flag), how],
@@ -153,15 +157,7 @@ def test_two_nodes_peer_of_a_refused_rank_exits_promptly(tmp_path):
 
     script = tmp_path / "ranks.py"
     script.write_text(RANK_SCRIPT)
-    flag, site = tmp_path / "rank0_waits", tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(
-        "import os\nif os.environ.get('RANK') == '0':\n"
-        "    from omnitron.core.training import workers\n    real = workers._wait_for_arrivals\n"
-        f"    def wait(*a, **k):\n        open({str(flag)!r}, 'w').close()\n        return real(*a, **k)\n"
-        "    workers._wait_for_arrivals = wait\n")
-    env = dict(os.environ, OMNITRON_KERNELS="reference",
-               PYTHONPATH=os.pathsep.join([str(site), os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    flag, env = _rank0_marks_its_wait(tmp_path)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
