@@ -162,6 +162,13 @@ class Backend(ABC):
     def device_count(self) -> int:
         """Number of devices of this type visible to the process."""
 
+    def visibility_may_be_per_process(self) -> bool:
+        """True unless this process is known to see all of its host's devices: a per-process visibility mask
+        (a launcher such as ``srun --gpus-per-task=1`` giving each process its own devices) may be set, so the
+        host's other ranks need not be on :meth:`device_count`'s devices (the fit check then sums no ranks onto
+        one device). A backend that can tell (no mask in its environment) says False."""
+        return True
+
     @abstractmethod
     def set_device(self, index: int) -> None:
         """Make device ``index`` current for this process."""

@@ -12,10 +12,17 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import tempfile
+import time
 
 from omnitron.core.config.parallel import ConfigError
 
 log = logging.getLogger(__name__)
+
+SAID_WAIT_S = 10.0
+"""How long a quiet local rank waits for its local rank 0 to print the refusal before it exits (its exit makes
+torchrun SIGTERM the host's other ranks; a local rank 0 still importing then died before it said anything)."""
 
 
 def stage_needs(settings) -> list[int]:
@@ -77,7 +84,7 @@ def check_fits(settings, backend) -> None:
     Who shares: on a device whose memory is the host's (``capabilities().host_memory``: cpu, sim) every rank of
     the host, :func:`local_world` of them (four torchrun ranks of 6 GiB each on a 16 GiB host used to pass, each
     rank weighing its own 6 GiB against the host's 16); on an accelerator, the ranks placed on one device (one
-    each where there are devices enough).
+    each where there are devices enough, or where each process may see only its own: :func:`_devices_shared`).
 
     Every rank counts (under torchrun too: a rank that skipped it would wait in the process group's start for
     a refused local rank 0, and ignore torchrun's first SIGTERM there: 30 s, then SIGKILL); the count takes well
@@ -93,7 +100,7 @@ def check_fits(settings, backend) -> None:
         log.warning("the model's state bytes could not be counted before the build (%s: %s); not checked against "
                     "the device's memory", type(err).__name__, err)
         return
-    devices = 1 if getattr(caps, "host_memory", False) else max(1, getattr(backend, "device_count", lambda: 1)())
+    devices = _devices_shared(settings, backend, caps)
     # NOTE: the distributed optimizer's slices of one stage differ by a bucket's padding at most; counting the
     # largest for every rank of a host may overstate its sum by that many bytes (a run within them of the host's
     # whole memory would not train anyway: activations come on top)
@@ -106,6 +113,19 @@ def check_fits(settings, backend) -> None:
                      f"--ffn-hidden-size) or spread it over more ranks (--tensor-model-parallel-size, "
                      f"--pipeline-model-parallel-size, --use-distributed-optimizer){_fewer(ranks, caps)}; "
                      f"omnitron plan prices layouts")
+
+
+def _devices_shared(settings, backend, caps) -> int:
+    """How many devices a host's ranks are spread over (``shared_peak``'s ``devices``): 1 where the memory is the
+    host's; on an accelerator the visible devices where every local rank sees them all (enough for one each, or no
+    per-process visibility mask), else one device a rank (under ``srun --gpus-per-task=1`` each of 8 local ranks
+    sees one device, its own: counting the 8 on it refused a healthy start)."""
+    if getattr(caps, "host_memory", False):
+        return 1
+    local = local_world(settings)
+    devices = max(1, getattr(backend, "device_count", lambda: 1)())
+    per_process = getattr(backend, "visibility_may_be_per_process", lambda: True)()
+    return devices if devices >= local or not per_process else local
 
 
 def _holders(settings, needs, need, ranks, caps) -> str:
@@ -127,3 +147,38 @@ def _fewer(ranks: int, caps) -> str:
 
 def _size(n: int) -> str:
     return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.3f} MiB"
+
+
+def refuse_once_a_host(err: DoesNotFit) -> int:
+    """Exit code 2 for every rank, the line printed by local rank 0 only (every rank reaches the same verdict).
+
+    The other local ranks wait (at most :data:`SAID_WAIT_S`) until local rank 0 has printed, marked by a file in
+    the host's temporary folder named after the process that started the host's ranks (torchrun's agent; the same
+    for each local rank) and the attempt: their exit would make torchrun SIGTERM the rest, and a local rank 0 that
+    had not reached its print yet (slow imports) died without a word on the host's stderr."""
+    from omnitron.core.training.failures import refuse
+
+    marker = _said_marker()
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        code = refuse(err)
+        sys.stderr.flush()
+        try:
+            marker.touch()
+        except OSError:  # an unwritable temporary folder: the others wait out their bound
+            pass
+        return code
+    code = refuse(err, say=False)
+    deadline = time.monotonic() + SAID_WAIT_S
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return code
+
+
+def _said_marker():
+    """The file local rank 0 touches once it has printed the refusal (:func:`refuse_once_a_host`)."""
+    import pathlib
+
+    from omnitron.core.training.prejoin import attempt
+
+    name = f"omnitron-unfit-{os.getppid()}-{os.environ.get('MASTER_PORT', '')}-{attempt()}"
+    return pathlib.Path(tempfile.gettempdir()) / name

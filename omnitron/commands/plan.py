@@ -55,7 +55,7 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from omnitron.core.config.parallel import ConfigError
-    from omnitron.plan.memory import estimate, format_table
+    from omnitron.plan.memory import estimate, format_table, vocabulary_line
     from omnitron.plan.layouts import Choice
     from omnitron.plan.speed import predict
 
@@ -90,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
           f"tp{pc.tensor_model_parallel_size} pp{pc.pipeline_model_parallel_size} cp{pc.context_parallel_size} "
           f"dp{s.dp} | micro-batch {s.training.micro_batch_size} x {s.num_microbatches} | "
           f"{s.precision.params_dtype_name}")
+    print(vocabulary_line(s))
     print(format_table(stages))
     fit = _fit_line(args, rates, stages)
     if fit:
@@ -106,6 +107,7 @@ def _serve(args, given: dict) -> int:
     """``--inference-max-requests``: the serving estimate (:mod:`omnitron.plan.inference`)."""
     from omnitron.core.config.parallel import ConfigError
     from omnitron.plan.inference import format_serve
+    from omnitron.plan.memory import vocabulary_line
 
     try:
         s, requests, seq, stages, fused, memory, largest = _serve_figures(args, given)
@@ -116,6 +118,7 @@ def _serve(args, given: dict) -> int:
           f"tp{pc.tensor_model_parallel_size} pp{pc.pipeline_model_parallel_size}"
           f"{f' ep{pc.expert_model_parallel_size}' if pc.expert_model_parallel_size > 1 else ''} | {requests} "
           f"requests x {seq} tokens | {s.precision.params_dtype_name} weights and KV cache")
+    print(vocabulary_line(s))
     print(format_serve(stages, memory, largest))
     less = max(st.total for st in stages) - fused
     if less > 0:
@@ -244,6 +247,7 @@ def _write(args, choices, rates) -> None:
 def _recommend(args, given: dict, bench, overlap: str) -> int:
     """``--devices``: the fastest layouts that fit, or one line naming what binds."""
     from omnitron.core.config.parallel import ConfigError
+    from omnitron.plan.memory import vocabulary_line
     from omnitron.plan.recommend import format_choices, recommend
 
     try:
@@ -266,6 +270,7 @@ def _recommend(args, given: dict, bench, overlap: str) -> int:
         print(f"omnitron plan: error: {err}", file=sys.stderr)
         return 2
     print(_named(rates))
+    print(vocabulary_line(settings_of(given)))
     print(format_choices(choices, args.devices, memory))
     if prof is not None:
         print("search: tp within a node, the distributed optimizer on where dp x cp > 1; screened without backward's "

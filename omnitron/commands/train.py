@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 
 def register(sub) -> None:
@@ -25,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
 def main_from_dict(given: dict) -> int:
     """Validate (exit code 2 with one line naming the flag on bad settings), then launch."""
     from omnitron.backends.registry import get_backend
-    from omnitron.commands.fits import DoesNotFit, check_fits
+    from omnitron.commands.fits import DoesNotFit, check_fits, refuse_once_a_host
     from omnitron.core.checkpoint import CheckpointError
     from omnitron.core.config.parallel import ConfigError
     from omnitron.core.training.arguments import build_settings, merge_settings
@@ -37,7 +36,7 @@ def main_from_dict(given: dict) -> int:
         precheck(settings)
         check_fits(settings, get_backend(settings.backend))  # one line, not the allocator's traceback from each rank
     except DoesNotFit as err:  # every rank's verdict alike: said once a host
-        return refuse(err, say=os.environ.get("LOCAL_RANK", "0") == "0")
+        return refuse_once_a_host(err)
     except (ConfigError, CheckpointError) as err:
         return refuse(err)
     try:

@@ -157,6 +157,27 @@ def model_config(settings):
         return cfg
 
 
+def vocabulary_line(settings) -> str:
+    """Which vocabulary the estimate priced, and how to change it: the tokenizer's, as ``omnitron train`` builds
+    the model (a preset's own vocabulary is not used: ``--model llama3_8b`` with the default tokenizer prices
+    GPT-2's 50257 rows, not Llama 3's 128256, which nothing said before)."""
+    d, vocab = settings.data, model_config(settings).vocab_size
+    given = "tokenizer_type" in settings.flat
+    line = f"vocabulary priced: {vocab:,} rows from --tokenizer-type {d.tokenizer_type}{'' if given else ' (default)'}"
+    preset = _preset_vocabulary(settings.flat.get("model"))
+    if preset is not None and preset != vocab:
+        line += f"; the {settings.flat['model']} preset's own is {preset:,}"
+    return line + ("" if given else "; --tokenizer-type (and its --tokenizer-model / --vocab-file) sets the one "
+                   "omnitron train builds")
+
+
+def _preset_vocabulary(name) -> int | None:
+    from omnitron.core.models.family import family_of_preset
+
+    family = family_of_preset(name) if name else None
+    return getattr(family.presets[name](), "vocab_size", None) if family is not None else None
+
+
 def _ranges(settings, cfg) -> dict[tuple[int, int], tuple[int, int]]:
     from omnitron.core.parallel.pipeline.layout import config_layer_ranges
 

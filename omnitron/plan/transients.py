@@ -289,15 +289,26 @@ def _collector_from_empty():
     collector_paused`) a Mixtral-like MoE probe (h256, 2 layers, s32) kept two storages to its end that its
     sequence-doubled twin freed, the logs did not align and the estimate left backward's transients out
     (2026-12-07: Mixtral 8x7B at tp1 on 64 devices, the search and, through the probe cache, later ``--layout``
-    runs). From an empty collection, its passes fall at the same events of a probe and its doubled twins."""
+    runs). From an empty collection, its passes fall at the same events of a probe and its doubled twins.
+
+    The heap the probe finds is frozen (``gc.freeze``: out of every collection until the probe ends) and the
+    collection that empties the young generations walks only them: a full collection a probe walked the whole heap
+    of a search (its meta skeletons and tables; 15 s of a 214 s GPT-2 search, 2026-12-07). What the probe left in
+    cycles is collected as it ends, from its own objects only. Where the caller froze objects itself (its freeze
+    would be undone), the full collection as before."""
     import gc
 
-    was = gc.isenabled()
-    gc.collect()
+    was, own = gc.isenabled(), gc.get_freeze_count() == 0
+    if own:
+        gc.freeze()
+    gc.collect()  # every generation's count to 0: the collector's passes fall where they fall from a full one
     gc.enable()
     try:
         yield
     finally:
+        if own:
+            gc.collect()  # the probe's own cycles (their storages), before the old heap comes back
+            gc.unfreeze()
         if not was:
             gc.disable()
 

@@ -531,6 +531,19 @@ def test_bias_flags_follow_the_executor_calls(extra):
     assert planned == called and any(called.values())
 
 
+@pytest.mark.host_only("the host's C++ SwiGLU, the fused activation the fc1 branch of gemm_bias reads")
+def test_a_fused_swiglu_fc1_prices_no_bias_as_the_executor_gets_none():
+    """The fc1 branch of :func:`~omnitron.plan.fp8_passes.gemm_bias` where ``fused_activation`` is True: on the
+    host's kernel table (its C++ SwiGLU takes fc1's bias) every fc1 is priced without a bias in its FP8 GEMM, and
+    the FP8 executor is called without one; the other linears still carry theirs (the case is not vacuous)."""
+    from omnitron.backends import get_backend
+
+    assert get_backend().kernels.resolved("swiglu") != "reference"  # the fused case, not sim's reference
+    planned, called = _planned_and_called_biases(["--swiglu"])
+    fc1 = [k for k in called if k[1].endswith("linear_fc1")]
+    assert fc1 and not any(planned[k] or called[k] for k in fc1) and any(called.values()), (planned, called)
+
+
 @pytest.mark.parametrize("extra", [["--swiglu"], MOE_BIAS, []], ids=["swiglu", "moe", "gelu"])
 def test_bias_flags_follow_a_device_kernel_table(extra, reference_kernel_backend):
     """As :func:`test_bias_flags_follow_the_executor_calls` on a backend without the host's fused activation kernels

@@ -93,3 +93,31 @@ def test_train_without_a_model_the_planner_prices_logs_why_and_trains(tmp_path, 
             "--data-cache-path", str(tmp_path / "cache"), "--log-dir", str(tmp_path / "log")]
     assert main(argv) == 0
     assert "--log-memory-estimate: no prediction (omnitron plan prices GPT-family decoders" in caplog.text
+
+
+def _priced(out: str) -> str:
+    lines = [ln for ln in out.splitlines() if ln.startswith("vocabulary priced: ")]
+    assert len(lines) == 1, out
+    return lines[0]
+
+
+def test_plan_says_which_vocabulary_it_priced(capsys):
+    """``--model llama3_8b`` without ``--tokenizer-type`` prices the default tokenizer's vocabulary, GPT-2's 50257
+    (as ``omnitron train`` builds it), not the preset's 128256 (Llama 3's, from its release): one line says so and
+    how to change it. A NullTokenizer of a fresh random size V prices V + 1 rows (its end-of-document token, as
+    Megatron's NullTokenizer adds), with no hint, the tokenizer being named."""
+    import random
+
+    small = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+             "--ffn-hidden-size", "128", "--seq-length", "16", "--max-position-embeddings", "16",
+             "--micro-batch-size", "1", "--global-batch-size", "1"]
+    assert main(["plan", "--model", "llama3_8b", *small]) == 0
+    line = _priced(capsys.readouterr().out)
+    assert line.startswith("vocabulary priced: 50,257 rows from --tokenizer-type GPT2BPETokenizer (default); "
+                           "the llama3_8b preset's own is 128,256; --tokenizer-type"), line
+    v = random.randint(100, 5000)
+    assert main(["plan", "--model", "llama3_8b", *small, "--tokenizer-type", "NullTokenizer",
+                 "--vocab-size", str(v)]) == 0
+    line = _priced(capsys.readouterr().out)
+    assert line == f"vocabulary priced: {v + 1:,} rows from --tokenizer-type NullTokenizer; the llama3_8b preset's " \
+                   f"own is 128,256", line

@@ -31,3 +31,42 @@ def test_a_search_paused_collector_leaves_the_moe_probes_aligned(monkeypatch):
         if was:
             gc.enable()
     assert [m.probed for m in stages] == [True, True] and all(m.transient > 0 for m in stages)
+
+
+def test_a_probe_collects_its_own_objects_not_the_heap_it_found():
+    """A probe's collections walk what the probe makes, not the heap it finds (a search's meta skeletons and
+    tables: a full collection a probe cost 15 s of a 214 s GPT-2 search): a reference cycle left before the probe
+    is not collected inside it, one made inside it is collected by its end, and the collector's state (paused, no
+    objects frozen) comes back as it was. Before, the probe's first full collection freed the older cycle too."""
+    from omnitron.plan.transients import _collector_from_empty
+
+    freed = []
+
+    def cycle(name: str) -> None:
+        a = _Node(name, freed)
+        a.self = a
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        cycle("before")
+        with _collector_from_empty():
+            assert gc.isenabled()
+            cycle("inside")
+            assert freed == []
+        assert freed == ["inside"] and not gc.isenabled() and gc.get_freeze_count() == 0
+        gc.collect()
+        assert freed == ["inside", "before"]
+    finally:
+        if was:
+            gc.enable()
+
+
+class _Node:
+    """An object that says when it is freed."""
+
+    def __init__(self, name: str, freed: list) -> None:
+        self.name, self.freed = name, freed
+
+    def __del__(self) -> None:
+        self.freed.append(self.name)

@@ -29,15 +29,18 @@ class _Device:
 
     name = "test"
 
-    def __init__(self, total: int, host_memory: bool, devices: int = 1) -> None:
+    def __init__(self, total: int, host_memory: bool, devices: int = 1, per_process: bool = False) -> None:
         self.caps = types.SimpleNamespace(memory_total=total, host_memory=host_memory)
-        self.devices = devices
+        self.devices, self.per_process = devices, per_process
 
     def capabilities(self):
         return self.caps
 
     def device_count(self) -> int:
         return self.devices
+
+    def visibility_may_be_per_process(self) -> bool:
+        return self.per_process
 
 
 def _reference_peak(pp: int, world: int, local: int, devices: int, needs: list[int]) -> int:
@@ -94,6 +97,25 @@ def test_ranks_sharing_host_memory_are_weighed_together(local, monkeypatch):
         fits.check_fits(settings, _Device(2 * one - 1, host_memory=False, devices=local - 1))
 
 
+@pytest.mark.parametrize("local", [2, 8])
+def test_a_rank_that_sees_only_its_own_device_is_weighed_alone(local, monkeypatch):
+    """``srun --gpus-per-task=1`` with RANK / LOCAL_RANK / LOCAL_WORLD_SIZE exported: each of the host's ``local``
+    ranks sees one device, its own. A device that holds one rank's state (hand-derived, 16 bytes a parameter, plus
+    the buckets' padding) fits; it used to be refused as the ``local`` ranks' sum. The same single visible device
+    with no per-process mask (the host has one device, every rank on it) is still refused one byte short of the
+    ranks' sum; one byte short of one rank's state is refused either way."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+    settings = parse_settings(_argv(16, 1, 64) + ["--global-batch-size", str(local)], local)
+    one = fits.state_peak(settings)[0]
+    assert 0 <= one - _hand_bytes(16, 1, 64, 16) < 4 * local * (4 + 12)  # the padding bound of the test above
+    fits.check_fits(settings, _Device(one, host_memory=False, devices=1, per_process=True))
+    with pytest.raises(fits.DoesNotFit, match="each rank holds"):
+        fits.check_fits(settings, _Device(one - 1, host_memory=False, devices=1, per_process=True))
+    with pytest.raises(fits.DoesNotFit, match=rf"the {local} ranks on one device hold together"):
+        fits.check_fits(settings, _Device(local * one - 1, host_memory=False, devices=1, per_process=False))
+
+
 def test_the_launchers_ranks_count_too(monkeypatch):
     """``--nproc-per-node N`` (no torchrun): the launcher's check counts its N workers on the host."""
     monkeypatch.delenv("RANK", raising=False)
@@ -115,6 +137,7 @@ def test_a_refusal_is_said_by_local_rank_0_only(local_rank, monkeypatch, capsys,
         raise AssertionError("launched a run that cannot fit")
 
     monkeypatch.setattr(launch, "launch", no_launch)
+    monkeypatch.setattr(fits, "SAID_WAIT_S", 0.1)  # no local rank 0 here to wait for
     argv = {"num_layers": 1, "hidden_size": 16, "num_attention_heads": 4, "seq_length": 16,
             "max_position_embeddings": 16, "micro_batch_size": 1, "global_batch_size": 2, "train_iters": 2,
             "mock_data": True, "tokenizer_type": "NullTokenizer", "vocab_size": 64, "backend": "cpu"}
@@ -131,6 +154,45 @@ def test_a_refusal_is_said_by_local_rank_0_only(local_rank, monkeypatch, capsys,
     assert "the 2 ranks on one host" in (tmp_path / "error.json").read_text()
     if local_rank == "0":
         assert err[0].startswith("omnitron train: error: the model does not fit: the 2 ranks on one host"), err
+
+
+_RANK = """
+import dataclasses, sys, time
+import omnitron.backends.cpu.backend as cpu
+from omnitron.commands.train import main_from_dict
+real = cpu.CPUBackend.capabilities
+cpu.CPUBackend.capabilities = lambda self: dataclasses.replace(real(self), memory_total=1)
+time.sleep(float(sys.argv[1]))
+sys.exit(main_from_dict({"num_layers": 1, "hidden_size": 16, "num_attention_heads": 4, "seq_length": 16,
+    "max_position_embeddings": 16, "micro_batch_size": 1, "global_batch_size": 2, "train_iters": 2,
+    "mock_data": True, "tokenizer_type": "NullTokenizer", "vocab_size": 64, "backend": "cpu"}))
+"""
+
+
+def test_the_line_is_said_when_local_rank_0_is_slow(tmp_path):
+    """An agent as torchrun's: two local ranks, children of one process, the first to exit makes it SIGTERM the
+    other. Local rank 0 reaches the check 3 s after local rank 1 (slow imports); the host's stderr still has the
+    refusal's one line (before, local rank 1 exited at once and local rank 0 died of the SIGTERM, silent)."""
+    import time
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
+               RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_PORT=str(random.randint(20000, 60000)))
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    ranks = []
+    for local, delay in (("0", "3"), ("1", "0")):
+        err = open(tmp_path / f"err{local}", "w")
+        ranks.append(subprocess.Popen([sys.executable, "-c", _RANK, delay], stderr=err, text=True,
+                                      env=dict(env, RANK=local, LOCAL_RANK=local)))
+    deadline = time.monotonic() + 120
+    while all(p.poll() is None for p in ranks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for p in ranks:  # the agent's reaction to the first exit
+        if p.poll() is None:
+            p.terminate()
+    codes = [p.wait(timeout=60) for p in ranks]
+    said = [line for local in "01" for line in (tmp_path / f"err{local}").read_text().splitlines()
+            if "the model does not fit" in line]
+    assert len(said) == 1 and codes == [2, 2], (codes, said)
 
 
 @pytest.mark.parametrize("name", ["cpu", "sim"])

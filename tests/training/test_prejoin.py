@@ -109,6 +109,20 @@ sys.exit(main(args))
 """
 
 
+def _rank0_marks_its_wait(tmp_path):
+    """(the flag file, the ranks' environment): rank 0 marks its arrival in the join (a file, through a
+    sitecustomize on the path), so rank 1 fails then and not while rank 0 still imports."""
+    flag, site = tmp_path / "rank0_waits", tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os\nif os.environ.get('RANK') == '0':\n"
+        "    from omnitron.core.training import workers\n    real = workers._wait_for_arrivals\n"
+        f"    def wait(*a, **k):\n        open({str(flag)!r}, 'w').close()\n        return real(*a, **k)\n"
+        "    workers._wait_for_arrivals = wait\n")
+    return flag, dict(os.environ, OMNITRON_KERNELS="reference",
+                      PYTHONPATH=os.pathsep.join([str(site), os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["refused", "crashed"])
 def test_torchrun_peer_of_a_failed_rank_exits_promptly(tmp_path, how):
@@ -117,17 +131,7 @@ def test_torchrun_peer_of_a_failed_rank_exits_promptly(tmp_path, how):
     cause), before torchrun's SIGKILL (which took 30 s after its SIGTERM; 48 s for the refused job, measured)."""
     script = tmp_path / "ranks.py"
     script.write_text(RANK_SCRIPT)
-    flag = tmp_path / "rank0_waits"
-    sitecustom = tmp_path / "site"
-    sitecustom.mkdir()
-    # rank 0 marks its arrival in the join (a file), so rank 1 fails then and not while rank 0 still imports
-    (sitecustom / "sitecustomize.py").write_text(
-        "import os\nif os.environ.get('RANK') == '0':\n"
-        "    from omnitron.core.training import workers\n    real = workers._wait_for_arrivals\n"
-        f"    def wait(*a, **k):\n        open({str(flag)!r}, 'w').close()\n        return real(*a, **k)\n"
-        "    workers._wait_for_arrivals = wait\n")
-    env = dict(os.environ, OMNITRON_KERNELS="reference",
-               PYTHONPATH=os.pathsep.join([str(sitecustom), os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    flag, env = _rank0_marks_its_wait(tmp_path)
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                              "--monitor-interval", "0.1", str(script), str(tmp_path / "logs"), str(flag), how],
@@ -141,3 +145,38 @@ def test_torchrun_peer_of_a_failed_rank_exits_promptly(tmp_path, how):
     assert f"rank 0: lost a peer ({said}" in out, out[-3000:]
     assert "forcefully exiting via 9" not in out and "SIGKILL" not in out, out[-3000:]
     assert took < 60, took  # imports on a loaded 2-core machine; the SIGKILL path took 30 s more than this run
+
+
+@pytest.mark.slow
+def test_two_nodes_peer_of_a_refused_rank_exits_promptly(tmp_path):
+    """Two torchrun agents on the loopback, one rank each (node 0 hosts the store): once rank 0 waits in the join,
+    rank 1 on node 1 is refused (a missing --vocab-file). Node 1's agent tells node 0 nothing, so before the
+    store's post rank 0 waited out the 300 s join wait; now it exits within seconds of the refusal naming rank 1,
+    and node 0's agent with it (the bound as the one-node test's: a loaded machine's imports, no SIGKILL)."""
+    import socket
+
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_SCRIPT)
+    flag, env = _rank0_marks_its_wait(tmp_path)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+                                str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
+                                str(port), "--monitor-interval", "0.1", str(script), str(tmp_path / f"logs{node}"),
+                                str(flag), "refused"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=env, cwd=str(tmp_path)) for node in (0, 1)]
+    try:
+        out1, _ = agents[1].communicate(timeout=150)
+        refused = time.monotonic()
+        out0, _ = agents[0].communicate(timeout=150)
+        took = time.monotonic() - refused
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+    assert flag.exists(), (out0[-3000:], out1[-3000:])
+    assert "--vocab-file /nonexistent/vocab.json: file not found" in out1, out1[-3000:]
+    said = "rank 1 failed before joining the job: --vocab-file /nonexistent/vocab.json: file not found"
+    assert f"rank 0: lost a peer ({said}" in out0 and agents[0].returncode == 1, out0[-3000:]
+    assert took < 30, took  # the join wait it replaced is 300 s

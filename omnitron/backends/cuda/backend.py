@@ -93,6 +93,10 @@ class CUDABackend(Backend):
     def device_count(self) -> int:
         return torch.cuda.device_count()
 
+    def visibility_may_be_per_process(self) -> bool:
+        """Only where ``CUDA_VISIBLE_DEVICES`` is set (unset, every process sees all of the host's devices)."""
+        return "CUDA_VISIBLE_DEVICES" in os.environ
+
     def set_device(self, index: int) -> None:
         torch.cuda.set_device(index)
 

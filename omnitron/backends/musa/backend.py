@@ -160,6 +160,10 @@ class MUSABackend(Backend):
     def device_count(self) -> int:
         return torch.musa.device_count()
 
+    def visibility_may_be_per_process(self) -> bool:
+        """Only where ``MUSA_VISIBLE_DEVICES`` is set (unset, every process sees all of the host's devices)."""
+        return "MUSA_VISIBLE_DEVICES" in os.environ
+
     def set_device(self, index: int) -> None:
         torch.musa.set_device(index)
 
