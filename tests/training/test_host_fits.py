@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import signal
 import subprocess
 import sys
 import types
@@ -192,7 +193,9 @@ def test_the_line_is_said_when_local_rank_0_is_slow(tmp_path):
     codes = [p.wait(timeout=60) for p in ranks]
     said = [line for local in "01" for line in (tmp_path / f"err{local}").read_text().splitlines()
             if "the model does not fit" in line]
-    assert len(said) == 1 and codes == [2, 2], (codes, said)
+    # local rank 1 exits once the line is out; local rank 0 may then still be in its interpreter's teardown when the
+    # agent's SIGTERM comes (-15), as under torchrun: its line is said either way, which is what the test is about
+    assert len(said) == 1 and codes[1] == 2 and codes[0] in (2, -signal.SIGTERM), (codes, said)
 
 
 @pytest.mark.parametrize("name", ["cpu", "sim"])
