@@ -163,10 +163,10 @@ class BertModel(GPTModel):
         int64 and ``tokentype_ids [b, s]``; later stages: ``hidden [s(/tp), b, h]`` from the previous one.
 
         A stage without the heads returns its hidden states for the next stage. The last returns
-        ``(lm, binary_logits)``: ``lm`` is the per-token float32 MLM loss ``[b, s]`` when ``labels [b, s]``
+        ``(lm, binary_logits)``: ``lm`` is the per-token MLM loss ``[b, s]`` when ``labels [b, s]``
         are given (every position; the loss mask picks the masked ones), else the tp-local logits
         ``[s, b, V_pad/tp]`` with padding columns at -inf; ``binary_logits [b, 2]`` (None without the
-        binary head)."""
+        binary head); both float32 at least (a float64 model's stay float64)."""
         if padding_mask is None:
             raise ValueError("every BERT pipeline stage needs padding_mask [b, s] (nonzero at padding)")
         if self.pre_process:
@@ -188,14 +188,19 @@ class BertModel(GPTModel):
         binary = None
         if self.binary_head is not None:
             cls = (M.gather_from_sp(x, self.groups.tp, grad_is_partial=False) if self.sp else x)[0]  # [b, h]
-            binary = self.binary_head(torch.tanh(self.pooler.dense(cls))).float()
+            binary = _widened(self.binary_head(torch.tanh(self.pooler.dense(cls))))
         weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
         logits = self.output_layer(self.lm_head(x), weight)  # [s, b, V_pad/tp]
         if labels is None:
             return self._mask_padding(logits), binary
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.groups.tp, vocab_size=self.config.vocab_size,
                                             kernels=self.backend.kernels, inplace_backward=True)
-        return loss.t(), binary  # [b, s] float32
+        return loss.t(), binary  # [b, s]
+
+
+def _widened(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32 at least (Megatron's ``.float()`` widens bf16 / fp16); a float64 model's stays float64."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 def bert_loss(output, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,16 +208,17 @@ def bert_loss(output, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     positions (``batch["loss_mask"]``) plus, with the binary head, the mean cross-entropy of the
     sentence-pair logits against ``batch["is_random"]``."""
     lm, binary = output
-    mask = batch["loss_mask"].to(torch.float32).reshape(lm.shape)
-    loss = (lm.float() * mask).sum() / mask.sum().clamp(min=1.0)
+    lm = _widened(lm)
+    mask = batch["loss_mask"].to(lm.dtype).reshape(lm.shape)
+    loss = (lm * mask).sum() / mask.sum().clamp(min=1.0)
     if binary is not None:
-        loss = loss + F.cross_entropy(binary.float(), batch["is_random"].reshape(-1).long())
+        loss = loss + F.cross_entropy(_widened(binary), batch["is_random"].reshape(-1).long())
     return loss, torch.ones((), device=loss.device)
 
 
 def record_sop_loss(model: BertModel, binary: torch.Tensor, is_random: torch.Tensor) -> None:
     """Add one micro-batch's sentence-order loss (detached) to ``model``'s total for the log."""
-    sop = F.cross_entropy(binary.detach().float(), is_random.reshape(-1).long())
+    sop = F.cross_entropy(_widened(binary.detach()), is_random.reshape(-1).long())
     model.sop_loss_total = sop if model.sop_loss_total is None else model.sop_loss_total + sop
 
 
