@@ -15,9 +15,10 @@ from omnitron.core.config.parallel import ConfigError, ParallelConfig
 from omnitron.core.models.bert import BertConfig, BertModel, bert_loss, num_parameters, validate_bert
 from omnitron.core.models.gpt import gather_full_state
 from omnitron.core.parallel.groups import ParallelGroups
-from omnitron.testing.distributed import run_distributed
+from omnitron.testing.distributed import REFERENCE_KERNELS, run_distributed
 from omnitron.testing.parity import (assert_parity, on_groups_device, reference_kernels, relative_error as _rel,
                                      tp_sp_parity)
+from omnitron.testing.training import settings_in
 
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, seq_length=12, vocab_size=203,
             hidden_dropout=0.0, attention_dropout=0.0)
@@ -308,8 +309,19 @@ def test_train_command_loss_drops(tmp_path):
 
 
 # ---- pipeline parallelism (one spawn of 4 ranks) ---------------------------------------------------
-PIPE = dict(BASE, num_layers=4, seq_length=16)
+PIPE = dict(BASE, num_layers=4, seq_length=16, params_dtype=torch.float64)
 STEPS, MB, NMB, LR = 3, 2, 4, 0.5  # steps, micro-batch size, micro-batches per global batch, SGD lr
+# PIPE_REL: a float64 model on the reference kernels at every layout against one process (u = 2**-53 = 1.1e-16).
+# The layouts differ only in the order of sums: tp splits contractions of <= 48 terms in 2 partial sums, sp's
+# reduce-scatter adds the same 2, dp adds 2 replicas' gradients, the micro-batches' gradients add in another
+# grouping, the tied embedding's two copies add by an all-reduce; pipeline stages and schedules change no sum. A
+# gradient element sums <= NMB x MB x 16 = 128 token terms, so it moves by <= 128 u = 1.4e-14 of its terms'
+# magnitudes (a few times that relative to a value that cancels). An SGD step moves the weights by LR x g, and the
+# loss's curvature over these weights amplifies a weight error by <= 1 + LR ||H|| ~ 2 a step (LR 0.5 keeps the run
+# stable): three steps give <= 2^3 x 1.4e-14 ~ 1e-13 relative on the losses and weights, norm-wise. PIPE_REL =
+# 1e-12 leaves a factor 10. A float32 model needed 1e-5, where a stage's hand-off rounded to float32 or a
+# micro-batch weighted 1 / NMB +- 1e-6 passed unseen.
+PIPE_REL = 1e-12
 LAYOUTS = {"pp2_1f1b_dp2": (1, 2, None, False, "1f1b"), "pp2_vp2_dp2": (1, 2, 2, False, "interleaved"),
            "tp2_pp2_sp": (2, 2, None, True, "1f1b"), "pp2_zbh1_dp2": (1, 2, None, False, "zb-h1")}  # tp pp vp sp
 
@@ -336,16 +348,17 @@ def _sgd_step(modules) -> None:
 def _pipeline_reference() -> tuple[list[tuple[float, float]], dict]:
     """One process, the whole model: per step the (MLM, binary) means over the micro-batches, final weights."""
     c, groups = BertConfig(**PIPE), ParallelGroups.single()
-    model, losses = BertModel(c, groups, seed=8), []
-    for step in _pipe_batches(c):
-        model.zero_grad()
-        parts = []
-        for batch in step:
-            out = _forward(model, batch)
-            (bert_loss(out, batch)[0] / NMB).backward()
-            parts.append(_loss_parts(out, batch))
-        losses.append(tuple(sum(p[i] for p in parts) / NMB for i in range(2)))
-        _sgd_step([model])
+    with reference_kernels():
+        model, losses = BertModel(c, groups, seed=8), []
+        for step in _pipe_batches(c):
+            model.zero_grad()
+            parts = []
+            for batch in step:
+                out = _forward(model, batch)
+                (bert_loss(out, batch)[0] / NMB).backward()
+                parts.append(_loss_parts(out, batch))
+            losses.append(tuple(sum(p[i] for p in parts) / NMB for i in range(2)))
+            _sgd_step([model])
     return losses, gather_full_state(model, groups)
 
 
@@ -382,7 +395,7 @@ def _pipeline_layouts() -> dict:
                          for b in step[groups.dp.rank * per:(groups.dp.rank + 1) * per]])  # on the modules' device
             res = forward_backward(sched, chunks, mine, groups, num_microbatches=per, seq_length=c.seq_length,
                                    micro_batch_size=MB, hidden_size=c.hidden_size, forward_step_fn=forward_step,
-                                   loss_fn=loss_fn)
+                                   loss_fn=loss_fn, dtype=c.params_dtype)
             combined.append(res["loss"])
             finalize_model_grads(chunks, groups)
             _sgd_step(modules)
@@ -396,8 +409,8 @@ def _pipeline_layouts() -> dict:
 
 
 def _train_run(tmp: str, world: int, *layout: str) -> dict:
-    """`omnitron train` (mock BERT data) for 3 iterations under ``layout``, saving at the end (the real loop,
-    gradient clipping with the tied embedding's duplicate out of the norm).
+    """`omnitron train` (mock BERT data) for 3 iterations of a float64 model under ``layout``, saving at the end (the
+    real loop, gradient clipping with the tied embedding's duplicate out of the norm).
 
     SGD with momentum, not Adam, so the final weights can be held to a bound (:func:`_assert_same_training`): a
     layout sums the same gradients in another order, and SGD's weights move by lr times that; Adam's first steps are
@@ -407,14 +420,13 @@ def _train_run(tmp: str, world: int, *layout: str) -> dict:
     one-process run's backward ran on autograd's device thread, created by an earlier test at 2 intra-op threads
     (``set_num_threads`` does not reach a thread that exists), so its sums took another order than the workers'."""
     from omnitron.backends import get_backend
-    from omnitron.core.training.arguments import parse_settings
     from omnitron.core.training.loop import train
 
     torch.set_num_threads(1)
     args = _train_args(Path(tmp), "--num-layers", "4", "--mock-data", "--micro-batch-size", "2", "--global-batch-size",
                        "8", "--train-iters", "3", "--eval-interval", "0", "--clip-grad", "0.05", "--optimizer", "sgd",
                        "--weight-decay", "0", "--save", str(Path(tmp) / "ckpt"), *layout)
-    return train(parse_settings(args, world), get_backend())["losses"]
+    return train(settings_in(args, world, torch.float64), get_backend())["losses"]
 
 
 def _assert_same_training(got: dict, want: dict, init: dict) -> None:
@@ -422,21 +434,22 @@ def _assert_same_training(got: dict, want: dict, init: dict) -> None:
 
     Each run moves the model by ``U = final - init``. SGD (momentum 0.9, no weight decay, gradients clipped to norm
     0.05, 3 steps at lr 3e-3) bounds it: step t moves by lr ||sum_i 0.9^(t-i) g_i|| <= lr 0.05 (1, 1.9, 2.71), so
-    ||U|| <= 8.42e-4 (which also shows ``init`` is the runs' start). The layouts differ only in the order of fp32
-    sums: a gradient element sums <= 256 token terms a step (8 sequences x 32 positions), so it differs by at
-    most 256 u = 1.5e-5 of its terms' absolute sum, and so does U (the norm over the model allows 1e-4 for
-    cancellation within a sum); and each of the 3 steps rounds a weight to fp32, where the two runs may land one
-    ulp (<= 2^-23 |w|) apart: 3 2^-23 ||w|| more (~3.6e-6 here, 1/50 of a step). A missing, repeated or stale
-    step changes U by about a third (~1.7e-4). Per tensor a relative bound cannot hold: a zero-initialised bias
-    whose gradient nearly cancels (the binary head's; the attention's key bias, which has no gradient at all) is
-    rounding through and through."""
+    ||U|| <= 8.42e-4 (which also shows ``init`` is the runs' start). Both runs are float64 models and differ only in
+    the order of sums: a gradient element sums <= 256 token terms a step (8 sequences x 32 positions), so it differs
+    by at most 256 u = 2.8e-14 (u = 2**-53) of its terms' absolute sum, and so does U (the norm over the model allows
+    1e-12, a factor 35, for cancellation within a sum and the clip factor's own rounding); and each of the 3 steps
+    rounds a weight, where the two runs may land one ulp (<= 2^-52 |w|) apart: 3 2^-52 ||w|| more (~1e-15 here). A
+    missing, repeated or stale step changes U by about a third; a float32 rounding anywhere on the way moves it by
+    ~1e-7 of U. Per tensor a relative bound cannot hold: a zero-initialised bias whose gradient nearly cancels (the
+    binary head's; the attention's key bias, which has no gradient at all) is rounding through and through."""
     keys = sorted(want)
     assert sorted(got) == keys == sorted(init)
+    assert all(want[k].dtype == torch.float64 for k in keys)
     flat = {name: torch.cat([s[k].detach().cpu().double().reshape(-1) for k in keys])
             for name, s in (("got", got), ("want", want), ("init", init))}
     moved = (flat["want"] - flat["init"]).norm().item()
-    assert 0 < moved <= 0.05 * 3e-3 * (1 + 1.9 + 2.71) * (1 + 1e-6), moved
-    bound = 1e-4 * moved + 3 * 2.0**-23 * flat["want"].norm().item()
+    assert 0 < moved <= 0.05 * 3e-3 * (1 + 1.9 + 2.71) * (1 + 1e-12), moved
+    bound = 1e-12 * moved + 3 * 2.0**-52 * flat["want"].norm().item()
     assert (flat["got"] - flat["want"]).norm().item() < bound, ((flat["got"] - flat["want"]).norm().item(), bound)
 
 
@@ -451,16 +464,15 @@ def _pipeline_worker(tmp: str) -> dict:
 @pytest.mark.multiprocess
 def test_pipeline_parallel_bert_matches_one_process(tmp_path):
     """pp2 (1F1B) x dp2, pp2 x vp2 (interleaved) x dp2, tp2 x pp2 + SP and pp2 (ZB-H1) x dp2: per-step MLM and
-    binary losses and final weights as one process; the training loop at pp2 x vp2 x dp2 and pp4 (middle stages
+    binary losses and final weights as one process (float64 models, PIPE_REL); the training loop at pp2 x vp2 x dp2 and pp4 (middle stages
     need the padding mask) as one process, and the pp2 checkpoint reads, converts and loads at pp1 with identical
     full weights."""
     from omnitron.backends import get_backend
     from omnitron.core.checkpoint.reshard import Layout, convert, read_full_state
     from omnitron.core.training import checkpointing
-    from omnitron.core.training.arguments import parse_settings
     from omnitron.core.training.components import build_components
 
-    results = run_distributed(_pipeline_worker, 4, str(tmp_path / "pp"))
+    results = run_distributed(_pipeline_worker, 4, str(tmp_path / "pp"), env=REFERENCE_KERNELS)
     ref_losses, ref_state = _pipeline_reference()
     for name in LAYOUTS:
         records, state = {}, {}
@@ -468,30 +480,32 @@ def test_pipeline_parallel_bert_matches_one_process(tmp_path):
             res = rank["layouts"][name]
             records.update(res["records"])
             state.update(res["state"])
-            assert res["combined"] == pytest.approx([a + b for a, b in ref_losses], rel=1e-5), name
-            if res["copy"] is not None:  # the tied copy moved with the embedding
-                torch.testing.assert_close(res["copy"], state["embedding.word_embeddings.weight"], rtol=0, atol=1e-6)
+            assert res["combined"] == pytest.approx([a + b for a, b in ref_losses], rel=PIPE_REL), name
+            if res["copy"] is not None:  # the tied copy moved with the embedding (the same sums: PIPE_REL at most)
+                assert _rel(res["copy"], state["embedding.word_embeddings.weight"]) < PIPE_REL, name
         assert sorted(records) == [(s, i) for s in range(STEPS) for i in range(NMB)], name
         for s, (mlm, binary) in enumerate(ref_losses):
             got = [sum(records[(s, i)][k] for i in range(NMB)) / NMB for k in range(2)]
-            assert got == pytest.approx([mlm, binary], rel=1e-5), (name, s)
+            assert got == pytest.approx([mlm, binary], rel=PIPE_REL), (name, s)
         assert state.keys() == ref_state.keys(), name
         for k, w in ref_state.items():
-            assert _rel(state[k], w) < 1e-5, (name, k)
+            assert state[k].dtype == torch.float64 and _rel(state[k], w) < PIPE_REL, (name, k)
     # the training loop, and its pp2 x vp2 checkpoint at pp1
-    one = _train_run(str(tmp_path / "one"), 1)
+    with reference_kernels():
+        one = _train_run(str(tmp_path / "one"), 1)
     for rank in results:
         for run in ("train", "train_pp4"):
             assert rank[run].keys() == one.keys() and len(one) == 3
-            assert [rank[run][i] for i in one] == pytest.approx([one[i] for i in one], rel=1e-5), run
+            # the losses by the same sums as the weights (_assert_same_training): 1e-12 relative bounds them
+            assert [rank[run][i] for i in one] == pytest.approx([one[i] for i in one], rel=1e-12), run
     src, ref_ck = (sorted((tmp_path / d / "ckpt").glob("iter_*"))[-1] for d in ("pp", "one"))
     full, single = read_full_state(str(src)), read_full_state(str(ref_ck))
     assert full.model.keys() == single.model.keys()
     pp1 = read_full_state(convert(str(src), str(tmp_path / "pp1"), Layout(pp=1)))
     assert pp1.model.keys() == full.model.keys() and all(torch.equal(pp1.model[k], full.model[k]) for k in full.model)
-    settings = parse_settings(_train_args(tmp_path / "load", "--num-layers", "4", "--mock-data", "--optimizer", "sgd",
-                                          "--load", str(tmp_path / "pp" / "ckpt"),
-                                          "--use-checkpoint-opt_param-scheduler"), 1)
+    settings = settings_in(_train_args(tmp_path / "load", "--num-layers", "4", "--mock-data", "--optimizer", "sgd",
+                                       "--load", str(tmp_path / "pp" / "ckpt"),
+                                       "--use-checkpoint-opt_param-scheduler"), 1, torch.float64)
     comp = build_components(settings, get_backend("cpu"))
     init = gather_full_state(comp.modules[0], comp.groups)  # the runs' initial weights (same seed), before the load
     _assert_same_training(full.model, single.model, init)
