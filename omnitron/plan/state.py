@@ -150,8 +150,8 @@ def _owned(buf, size: int, weight=lambda p: 1, per_piece: int = 0) -> int:
 
 def _moments(optim, p=None) -> int:
     """fp32 optimizer buffers per element of parameter ``p``: Adam's two moments (Muon: its momentum alone for
-    the matrices it orthogonalises), SGD's momentum, 1-bit Adam's two moments and worker error (NOTE: the
-    server error, 1/dp, is left out)."""
+    the matrices it orthogonalises), SGD's momentum, 1-bit Adam's two moments and worker error (its server error,
+    1/dp of a word, is :func:`_onebit_server_bytes`)."""
     if optim.optimizer == "onebit_adam":
         return 3
     if optim.optimizer == "muon" and p is not None:
@@ -260,7 +260,18 @@ def _state_bytes(settings, model_cfg, pp_rank: int) -> StateBytes:
 
             scales = scale_bytes(settings.optim)
             opt += _owned(buf, size, per, scales) if dist else sum(per(p) * p.numel() + scales for p in buf.params)
+    opt += _onebit_server_bytes(settings.optim, [p for module in chunks for p in module.parameters()], dp_cp)
     return StateBytes(params, grads, opt, step)
+
+
+def _onebit_server_bytes(optim, params: list, dp_cp: int) -> int:
+    """1-bit Adam's server error feedback (DeepSpeed keeps one beside the worker's): each data-parallel rank owns
+    1/dp_cp of every compressed buffer's elements, an fp32 word each (unpadded, as the worker error in
+    :func:`_moments`; 1-bit Adam refuses the distributed optimizer, FSDP2, experts and float64). 0 for other
+    optimizers."""
+    if optim.optimizer != "onebit_adam":
+        return 0
+    return 4 * -(-sum(p.numel() for p in params) // dp_cp)
 
 
 def _fsdp2_bytes(chunks, dp_cp: int, optim) -> StateBytes:

@@ -276,10 +276,15 @@ def _onebit_measured(args: list[str], world: int) -> tuple[int, int, int, int]:
             sum(e.worker.untyped_storage().nbytes() for e in opt.errors), elements)
 
 
-def test_onebit_adam_state_is_the_built_optimizers_less_its_server_error(tmp_path):
+@pytest.mark.parametrize("dp", [1, 2])
+def test_onebit_adam_state_is_the_built_optimizers(dp, tmp_path):
     """1-bit Adam's predicted optimizer bytes (bf16: fp32 masters, two moments and the worker error, a word each per
-    parameter element) equal the built optimizer's storages with the worker error counted unpadded (4 bytes an
-    element) and the server error (1/dp of it) left out, as state.py's NOTE says."""
+    parameter element, and the server error, a word per element of the 1/dp of them this rank owns) equal the built
+    optimizer's storages on every rank with its error buffers counted unpadded (the built ones pad each compressed
+    buffer to a multiple of dp x 256 elements: the worker's 4 bytes an element, the server's 4 / dp). The server
+    error was left out of the plan before (4 bytes an element at dp1, 2 at dp2: this fails then)."""
     args = _args(str(tmp_path), 1, 1, ["--bf16", "--optimizer", "onebit_adam"])
-    real, server, worker, elements = run_distributed(_onebit_measured, 1, args, 1)[0]
-    assert _predicted(args, 1, 0)[2] == real - server - worker + 4 * elements, (real, server, worker, elements)
+    for real, server, worker, elements in run_distributed(_onebit_measured, dp, args, dp):
+        assert server * dp == worker  # the owned chunk of the worker's padded buffer
+        want = real - server - worker + 4 * elements + 4 * -(-elements // dp)
+        assert _predicted(args, dp, 0)[2] == want, (real, server, worker, elements)
