@@ -89,17 +89,60 @@ def test_step_peak_with_the_overlap_at_ep2(tmp_path):
     _check_overlap(tmp_path, 2, ["--global-batch-size", "8"])
 
 
+# The FP8 ep2 case's bound, counted from shapes (h = 128, s = 128, b = 1, top-2: A = s k = 256 assignment rows
+# leave a rank per MoE layer; --bf16: e = 2 bytes). At --moe-expert-capacity-factor 1.0 with padding to capacity
+# every local expert's rows are the capacity's whatever the router picks (as test_transients'
+# test_step_peak_moe_two_ranks), so the plan's balanced routing is exact and no routing noise enters. What the plan
+# leaves out, each bounded by its bytes:
+# - the step's work besides the chunk's forward and backward: _check_step's two [s, b, h] fp32 tensors, 128 KiB;
+# - the dispatch exchange's send and receive buffers, 2 [A, h] e = 128 KiB, which gloo's worker may drop after
+#   wait() returns or hold at the peak (test_step_peak_moe_two_ranks; here the two ranks of one run measured
+#   exactly one [A, h] bf16 apart, 65,536 bytes);
+# - the all-to-alls in flight at a hand-over of the pair (plan/moe_overlap.py: not modelled), the other
+#   micro-batch's dispatch send and receive, 2 [A, h] e = 128 KiB more.
+# EXCHANGE = 2 [A, h] e: the absolute check allows EXCHANGE x 2 on top of _check_step's 128 KiB; the overlap's
+# extra (the step peak with the overlap less the same step without it, same weights, data and rows: the rest of
+# the step cancels) allows the hand-over's EXCHANGE and each run's exchange held or not, EXCHANGE x 3. Dropping
+# the pair from the plan (the estimate of the plain schedule) is 1.38 MB under: 1.2 MB under the tensorwise step
+# here, and -8.0% to -9.7% under the dropless steps, which the 10% bound these cases had passed.
+_S, _H, _K, _E = 128, 128, 2, 2
+EXCHANGE = 2 * (_S * _K) * _H * _E
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("fp8", [["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
-                                 ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]],
-                         ids=["tensorwise", "blockwise"])
+@pytest.mark.parametrize("fp8", [
+    ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
+    pytest.param(["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"], marks=pytest.mark.xfail(
+        strict=True, reason="the pair replays the wide probe log (plan/moe_overlap.py: FP8 linears' own tensors in "
+                            "the pair not modelled): block-wise, the overlap's extra is priced 1.38 MB where the "
+                            "step holds 0.76-0.83 MB, the step 422 KB over (measured 2026-12-07 on cpu), beyond "
+                            "the derived slack"))],
+    ids=["tensorwise", "blockwise"])
 def test_step_peak_with_the_overlap_at_ep2_fp8(fp8, tmp_path):
-    """The ep2 case with FP8 experts (bf16): the pair is replayed from the wide probe log (module docstring of
-    ``plan/moe_overlap.py``: the FP8 linears' own tensors in the pair not modelled) while the rest of the estimate
-    prices FP8; measured 2026-12-07 on cpu: tensorwise +0.24% / +1.40% on the two ranks, blockwise +2.11% on rank
-    0, inside ``_check_overlap``'s bound."""
-    _check_overlap(tmp_path, 2, ["--global-batch-size", "8", "--bf16", *fp8])
+    """The ep2 case with FP8 experts (bf16) at routing padded to capacity (the bound above, derived): every rank's
+    step peak against the estimate, and what the overlap adds (the same step's peak without it subtracted) against
+    what the plan's combined pair adds. Measured 2026-12-07 on cpu: tensorwise +176 KB on the step (slack 384 KiB),
+    the extra priced 185 KB over (slack 384 KiB); block-wise +422 KB and 555-620 KB over (the expected failure)."""
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.plan.fp8_memory import fp8_state_bytes
+    from omnitron.plan.memory import estimate, model_config
+
+    base = [*_EP2[:-1], "--global-batch-size", "8", "--bf16", "--moe-expert-capacity-factor", "1.0",
+            "--moe-pad-expert-input-to-capacity", *fp8]
+    argvs = [_args(str(tmp_path), [*base, _EP2[-1]]), _args(str(tmp_path), base)]  # with the overlap, without
+    measured = run_distributed(step_peaks, 2, argvs, 2, str(tmp_path),
+                               env={"OMNITRON_STRICT_COLLECTIVES": "0"})
+    _check_step(argvs[0], 2, [rank[0] for rank in measured], slack=2 * EXCHANGE)
+    predicted = []
+    for args in argvs:
+        s = parse_settings(args, 2)
+        e = estimate(s)[0]
+        predicted.append(e.total - e.params - e.grads - e.optimizer - fp8_state_bytes(s, model_config(s), 0))
+    for rank in measured:
+        extra = rank[0][1] - rank[1][1]
+        print(f"overlap's extra: predicted {predicted[0] - predicted[1]}, measured {extra}")
+        assert abs(predicted[0] - predicted[1] - extra) <= 3 * EXCHANGE, (predicted, rank)
 
 
 @pytest.mark.slow
