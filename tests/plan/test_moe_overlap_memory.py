@@ -96,8 +96,8 @@ def test_step_peak_with_the_overlap_at_ep2(tmp_path):
 # leaves out, each bounded by its bytes:
 # - the step's work besides the chunk's forward and backward: _check_step's two [s, b, h] fp32 tensors, 128 KiB;
 # - the dispatch exchange's send and receive buffers, 2 [A, h] e = 128 KiB, which gloo's worker may drop after
-#   wait() returns or hold at the peak (test_step_peak_moe_two_ranks; here the two ranks of one run measured
-#   exactly one [A, h] bf16 apart, 65,536 bytes);
+#   wait() returns or hold at the peak (test_step_peak_moe_two_ranks; 2026-12-07, the block-wise step without the
+#   overlap measured its two ranks exactly one [A, h] bf16 apart, 65,536 bytes);
 # - the all-to-alls in flight at a hand-over of the pair (plan/moe_overlap.py: not modelled), the other
 #   micro-batch's dispatch send and receive, 2 [A, h] e = 128 KiB more.
 # EXCHANGE = 2 [A, h] e: the absolute check allows EXCHANGE x 2 on top of _check_step's 128 KiB; the overlap's
