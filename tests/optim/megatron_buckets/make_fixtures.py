@@ -11,10 +11,10 @@ omnitron root:
 
     MEGATRON_LM=/path/to/Megatron-LM python tests/optim/megatron_buckets/make_fixtures.py
 
-omnitron is not imported. ``fixtures.json``: each case stores the parameter sizes in registration (forward) order, the bucket size,
-and Megatron's bucket ranges ``[start, end)`` and each parameter's ``(start, end, bucket)``. Half of the bucket
-sizes are a running sum of the backward-ordered sizes, so a bucket reaches its size exactly (Megatron closes a
-bucket at ``>=``). ``distopt.json``: each case stores the sizes (forward order), which of them is flagged
+omnitron is not imported. ``fixtures.json``: each case stores the parameter sizes in registration (forward) order,
+the bucket size, and Megatron's bucket ranges ``[start, end)`` and each parameter's ``(start, end, bucket)``. Half
+of the bucket sizes are a running sum of the backward-ordered sizes, so a bucket reaches its size exactly (Megatron
+closes a bucket at ``>=``). ``distopt.json``: each case stores the sizes (forward order), which of them is flagged
 ``shared_embedding``, the bucket size (null: one bucket), the data-parallel size, Megatron's bucket ranges with
 their ``numel_unpadded``, each parameter's ``(start, end, bucket)``, and per rank per bucket the owned pieces
 ``[param, start, end, in-bucket start]`` (the param's ``param`` range and its ``gbuf_world_in_bucket`` start).
