@@ -410,6 +410,7 @@ def _dp_collectives(settings, cfg, pp_rank: int, layers) -> list[tuple[str, str,
     """:func:`dp_collectives`, each led by its group's name (``dp``: the dense gradients', ``edp``: the
     experts')."""
     from omnitron.core.models.gpt.config import padded_vocab_size
+    from omnitron.core.parallel.data.buffers import BUCKET_ALIGN
     from omnitron.core.parallel.data.config import bucket_elements
 
     ddp, pc = settings.ddp, settings.parallel
@@ -419,8 +420,8 @@ def _dp_collectives(settings, cfg, pp_rank: int, layers) -> list[tuple[str, str,
     g_elem, p_elem = 4 if fp32 else cfg.params_dtype.itemsize, cfg.params_dtype.itemsize
     dense, expert = stage_param_groups(cfg, settings, pp_rank, layers)
     tied = not cfg.untie_embeddings_and_output_weights and pp_rank in (0, _head_rank(settings))
-    iso = padded_vocab_size(cfg, tp) // tp * cfg.hidden_size if tied and (dist or bool(ddp and ddp.reduce_scatter)) \
-        else 0
+    scatter = dist or bool(ddp and ddp.reduce_scatter)
+    iso = padded_vocab_size(cfg, tp) // tp * cfg.hidden_size if tied and scatter else 0
     out = []
     for name, n, group, own in (("dp", dense - iso, settings.dp * pc.context_parallel_size, [iso] if iso else []),
                                 ("edp", expert, expert_data_parallel_size(settings), [])):
@@ -428,7 +429,10 @@ def _dp_collectives(settings, cfg, pp_rank: int, layers) -> list[tuple[str, str,
             continue
         bucket = bucket_elements(ddp, group)
         sizes = [bucket] * int(n // bucket) + ([int(n % bucket)] if n % bucket else []) + own
-        for size in (-(-int(k) // group) * group for k in sizes):
+        # NOTE: sharded buckets end at multiples of lcm(group, 128) (GradBuffer, Megatron's layout); the 64-element
+        # alignment of each parameter's start (< 64 elements a tensor) is not priced: the counts here are elements
+        end = math.lcm(group, BUCKET_ALIGN) if scatter else 1
+        for size in (-(-int(k) // end) * end for k in sizes):
             out += [(name, "reduce_scatter", size * g_elem, group), (name, "all_gather", size * p_elem, group)] \
                 if dist else [(name, "all_reduce", size * g_elem, group)]
     return out

@@ -112,7 +112,7 @@ def _buffers(module, ddp, dp_cp: int, edp: int):
     scatter = dist or bool(ddp and ddp.reduce_scatter)
     shared = getattr(module, "shared_embedding_parameters", None)
     isolate = frozenset(id(p) for p in shared()) if scatter and shared is not None else frozenset()
-    return [(GradBuffer(ps, dt, bucket, edp if ex else dp_cp, isolate), edp if ex else dp_cp)
+    return [(GradBuffer(ps, dt, bucket, edp if ex else dp_cp, isolate, sharded=scatter), edp if ex else dp_cp)
             for (dt, ex, _), ps in by.items()]
 
 

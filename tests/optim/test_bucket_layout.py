@@ -1,49 +1,62 @@
-"""The gradient buffer's bucket layout against megatron-core's (fixtures written by Megatron's own
-``_compute_default_per_buffer_param_layout``: tests/optim/megatron_buckets/make_fixtures.py, which says how to re-run
-it): the same parameters in the same buckets at the same offsets, a bucket closed as soon as it holds at least
-``--ddp-bucket-size`` elements. Cut into shards (the distributed optimizer's layout) every bucket keeps Megatron's
-parameters and is padded at its end to the next multiple of the shard count (derived by hand: omnitron pads bucket
-ends only, not Megatron's 64-element parameter starts, so those offsets are not Megatron's)."""
+"""The gradient buffer's bucket layout against megatron-core's, on fixtures written by Megatron's own code
+(tests/optim/megatron_buckets/make_fixtures.py, which says how to re-run it).
+
+All-reduced (``fixtures.json``, Megatron's ``_compute_default_per_buffer_param_layout``): the same parameters in
+the same buckets at the same offsets, a bucket closed as soon as it holds at least ``--ddp-bucket-size`` elements,
+nothing padded. Sharded for the distributed optimizer (``distopt.json``, ``DistributedOptimizer.
+_compute_per_buffer_param_layout`` and ``_build_model_gbuf_range``): every parameter at Megatron's 64-aligned
+offset, every bucket at Megatron's range (ends padded to lcm(dp, 128)) with its ``numel_unpadded``, the shared
+embedding in a bucket of its own, and every data-parallel rank owning exactly the pieces of exactly the parameters
+Megatron's rank owns, at the same offsets in the bucket -- on random sizes and on GPT / Llama stage shapes, for
+dp 1 to 16 and bucket sizes of one bucket, a running sum of the sizes (a bucket filled exactly) and random."""
 from __future__ import annotations
 
 import json
 import os
+import types
 
 import pytest
 import torch
 
+from omnitron.core.optim.distributed import _plan_buffer
 from omnitron.core.parallel.data.buffers import GradBuffer
 
-with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_buckets", "fixtures.json")) as f:
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_buckets")
+with open(os.path.join(HERE, "fixtures.json")) as f:
     CASES = json.load(f)["cases"]
+with open(os.path.join(HERE, "distopt.json")) as f:
+    DISTOPT = json.load(f)["cases"]
 
 
-def _buffer(case: dict, shards: int) -> tuple[list[torch.nn.Parameter], GradBuffer]:
-    params = [torch.nn.Parameter(torch.zeros(n, dtype=torch.float64)) for n in case["sizes"]]
-    return params, GradBuffer(params[::-1], torch.float64, case["bucket_size"], shards)  # backward order
+def _buffer(sizes: list[int], bucket: int | None, shards: int, shared=(), sharded=True):
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+    isolate = frozenset(id(params[i]) for i in shared)
+    return params, GradBuffer(params[::-1], torch.float32, bucket, shards, isolate, sharded=sharded)  # backward order
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
 def test_buckets_are_megatrons(case):
-    params, buf = _buffer(case, 1)
+    params, buf = _buffer(case["sizes"], case["bucket_size"], 2, sharded=False)  # all-reduce: no padding at any dp
     assert [[b.offset, b.offset + b.data.numel()] for b in buf.buckets] == case["buckets"]
+    assert buf.data.numel() == case["buckets"][-1][1]
     for p, (start, end, bucket) in zip(params, case["params"]):
         assert buf.param_range(p) == (start, end - start)
         assert buf.bucket_of[id(p)] is buf.buckets[bucket]
 
 
-@pytest.mark.parametrize("shards", [2, 3, 4])
-def test_sharded_buckets_keep_megatrons_parameters_and_pad_their_ends(shards):
-    for case in CASES:
-        params, buf = _buffer(case, shards)
-        assert len(buf.buckets) == len(case["buckets"])
-        offset = 0
-        for k, (b, (lo, hi)) in enumerate(zip(buf.buckets, case["buckets"])):
-            members = {id(p) for p, (_, _, bucket) in zip(params, case["params"]) if bucket == k}
-            assert {id(p) for p in b.params} == members
-            assert b.offset == offset and b.data.numel() == -(-(hi - lo) // shards) * shards
-            for p in b.params:  # the parameters keep Megatron's places relative to their bucket's start
-                start, _, _ = case["params"][next(i for i, q in enumerate(params) if q is p)]
-                assert buf.param_range(p)[0] - b.offset == start - lo
-            offset += b.data.numel()
-        assert buf.data.numel() == offset
+@pytest.mark.parametrize("case", DISTOPT, ids=[f"distopt{i}" for i in range(len(DISTOPT))])
+def test_distributed_optimizer_layout_and_shards_are_megatrons(case):
+    params, buf = _buffer(case["sizes"], case["bucket_size"], case["dp"], case["shared"])
+    assert [[b.offset, b.offset + b.data.numel(), b.numel_unpadded] for b in buf.buckets] == case["buckets"]
+    assert buf.data.numel() == case["buckets"][-1][1]
+    for p, (start, end, bucket) in zip(params, case["params"]):
+        assert buf.param_range(p) == (start, end - start)
+        assert buf.bucket_of[id(p)] is buf.buckets[bucket]
+    buf.allocate_param_buffer()
+    index = {id(p): i for i, p in enumerate(params)}
+    for rank, want in enumerate(case["ranks"]):
+        slices, plans = [], []
+        _plan_buffer(buf, types.SimpleNamespace(rank=rank, size=case["dp"], name="dp_cp"), params, index, slices,
+                     plans, 0, False)
+        got = [sorted([slices[j].param, slices[j].lo, slices[j].hi, off] for j, off in plan.slices) for plan in plans]
+        assert got == want, rank

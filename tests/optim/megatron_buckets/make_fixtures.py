@@ -1,22 +1,30 @@
-"""Writes ``fixtures.json`` beside this file WITH MEGATRON-LM'S OWN CODE: how megatron-core cuts a gradient buffer
-into buckets (``_compute_default_per_buffer_param_layout`` of megatron/core/distributed/param_and_grad_buffer.py,
-the layout without the distributed optimizer's padding), for random parameter sizes and bucket sizes.
+"""Writes ``fixtures.json`` and ``distopt.json`` beside this file WITH MEGATRON-LM'S OWN CODE: how megatron-core cuts
+a gradient buffer into buckets (``fixtures.json``: ``_compute_default_per_buffer_param_layout`` of
+megatron/core/distributed/param_and_grad_buffer.py, the layout without the distributed optimizer's padding), for
+random parameter sizes and bucket sizes; and (``distopt.json``) the distributed optimizer's layout and shards:
+``DistributedOptimizer._compute_per_buffer_param_layout`` (64-element parameter starts, bucket ends padded to
+lcm(dp, 128), the shared embedding in a bucket of its own) and, for every data-parallel rank, the ranges
+``DistributedOptimizer._build_model_gbuf_range`` gives it, on random parameter sizes and on transformer shapes.
 
 Needs a Megatron-LM checkout (snapshot d98e8a64dd was used) and torch; it runs on CPU, offline. Run from the
 omnitron root:
 
     MEGATRON_LM=/path/to/Megatron-LM python tests/optim/megatron_buckets/make_fixtures.py
 
-omnitron is not imported. Each case stores the parameter sizes in registration (forward) order, the bucket size,
-and Megatron's bucket ranges ``[start, end)`` and each parameter's ``(start, end, bucket)``. Half of the bucket
-sizes are a running sum of the backward-ordered sizes, so a bucket reaches its size exactly (Megatron closes a
-bucket at ``>=``).
+omnitron is not imported. ``fixtures.json``: each case stores the parameter sizes in registration (forward) order,
+the bucket size, and Megatron's bucket ranges ``[start, end)`` and each parameter's ``(start, end, bucket)``. Half
+of the bucket sizes are a running sum of the backward-ordered sizes, so a bucket reaches its size exactly (Megatron
+closes a bucket at ``>=``). ``distopt.json``: each case stores the sizes (forward order), which of them is flagged
+``shared_embedding``, the bucket size (null: one bucket), the data-parallel size, Megatron's bucket ranges with
+their ``numel_unpadded``, each parameter's ``(start, end, bucket)``, and per rank per bucket the owned pieces
+``[param, start, end, in-bucket start]`` (the param's ``param`` range and its ``gbuf_world_in_bucket`` start).
 """
 from __future__ import annotations
 
 import json
 import os
 import sys
+import types
 import typing
 
 import numpy as np
@@ -26,6 +34,7 @@ if not hasattr(typing, "override"):
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CASES, SEED = 24, 20261207
+DISTOPT_CASES = 36
 
 
 def main() -> None:
@@ -49,5 +58,68 @@ def main() -> None:
         f.write("\n")
 
 
+def _transformer(rng) -> tuple[list[int], int]:
+    """A GPT (LayerNorm with biases, GELU MLP, learned positions) or a Llama (RMSNorm, SwiGLU, no biases) stage's
+    parameter sizes in registration order, and the index of its word embedding."""
+    h, layers, vocab = int(rng.choice([32, 48, 64, 96])), int(rng.randint(1, 4)), int(rng.choice([128, 200, 256]))
+    gpt = bool(rng.randint(2))
+    ffn = 4 * h if gpt else int(rng.choice([2, 3])) * h
+    sizes = [vocab * h] + ([16 * h] if gpt else [])
+    for _ in range(layers):
+        norm = [h, h] if gpt else [h]
+        qkv, proj = ([3 * h * h, 3 * h], [h * h, h]) if gpt else ([3 * h * h], [h * h])
+        mlp = [h * ffn, ffn, ffn * h, h] if gpt else [h * 2 * ffn, ffn * h]
+        sizes += norm + qkv + proj + norm + mlp
+    return sizes + ([h, h] if gpt else [h]), 0
+
+
+def _distopt_case(sizes, shared, bucket, dp) -> dict:
+    import torch
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+    for i in shared:
+        params[i].shared_embedding = True
+    config = types.SimpleNamespace(pad_buckets_for_high_nccl_busbw=False)
+    layout = DistributedOptimizer._compute_per_buffer_param_layout(params, bucket, dp, config)
+    where = {id(p): i for i, p in enumerate(params)}
+    ranks = []
+    for r in range(dp):
+        group = types.SimpleNamespace(rank=lambda r=r: r, size=lambda: dp)
+        buckets = [types.SimpleNamespace(grad_data=torch.empty(hi - lo), offset=lo) for lo, hi in layout.bucket_indices]
+        buffer = types.SimpleNamespace(data_parallel_group=group, num_optimizer_shards=dp, buckets=buckets,
+                                       param_index_map=layout.param_index_map)
+        owned = []
+        for k in range(len(buckets)):
+            got = DistributedOptimizer._build_model_gbuf_range(buffer, k)["param_map"]
+            owned.append(sorted([where[id(p)], m["param"].start, m["param"].end, m["gbuf_world_in_bucket"].start]
+                                for p, m in got.items()))
+        ranks.append(owned)
+    return {"sizes": sizes, "shared": list(shared), "bucket_size": bucket, "dp": dp,
+            "buckets": [[lo, hi, u] for (lo, hi), u in zip(layout.bucket_indices, layout.per_bucket_numel_unpadded)],
+            "params": [list(layout.param_index_map[p]) for p in params], "ranks": ranks}
+
+
+def distopt() -> None:
+    """``distopt.json``: random sizes (small, around 64 and past it), then transformer stages."""
+    rng = np.random.RandomState(SEED + 1)
+    cases = []
+    for k in range(DISTOPT_CASES):
+        if k < DISTOPT_CASES // 2:
+            sizes = [int(n) for n in rng.choice([1, 63, 64, 65, 128, 200, 300], rng.randint(1, 10))]
+            sizes = [n if rng.randint(3) else int(rng.randint(1, 700)) for n in sizes]
+            emb = int(rng.choice([0, len(sizes) - 1]))
+        else:
+            sizes, emb = _transformer(rng)
+        shared = [emb] if len(sizes) > 1 and rng.randint(3) == 0 else []
+        running = np.cumsum(sizes[::-1])
+        bucket = [None, int(running[rng.randint(len(running))]), int(rng.randint(1, sum(sizes) + 200))][k % 3]
+        cases.append(_distopt_case(sizes, shared, bucket, int(rng.choice([1, 2, 3, 4, 5, 8, 16]))))
+    with open(os.path.join(HERE, "distopt.json"), "w") as f:
+        json.dump({"megatron": "d98e8a64dd", "cases": cases}, f, indent=None)
+        f.write("\n")
+
+
 if __name__ == "__main__":
     main()
+    distopt()

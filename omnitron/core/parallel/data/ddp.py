@@ -60,7 +60,7 @@ class DistributedDataParallel(ChunkWrapper):
         # of their own, pre-divided by dp x cp like the rest (each rank's tokens are a 1/(dp x cp) share of
         # the batch) and summed over edp
         self.buffer_groups = [groups.edp if ex else self.group for _, ex, _ in by_dtype]
-        self.buffers = [GradBuffer(ps, dt, bucket_size, g.size, isolate)
+        self.buffers = [GradBuffer(ps, dt, bucket_size, g.size, isolate, sharded=self.reduce_scatter)
                         for ((dt, _, _), ps), g in zip(by_dtype.items(), self.buffer_groups)]
         self._group_of = {id(b): g for buf, g in zip(self.buffers, self.buffer_groups) for b in buf.buckets}
         # NOTE: an expert that got no tokens on this rank gets no gradient (its hooks never fire) while its edp
