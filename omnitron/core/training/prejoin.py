@@ -8,7 +8,8 @@ first iteration): the wait went on for 30 s, until the agent's SIGKILL; on anoth
 up to the 300 s join wait. Now the refused rank posts its one line to the job's store (:func:`announce_failure`;
 torchrun's agent hosts the store, so it is up whatever rank failed), and every waiting rank, on any node, stops
 within a poll naming it (:func:`check_abandoned`). A sibling on the same host that exits without a word (a crash)
-is seen by the census of :class:`omnitron.core.training.workers._LocalSiblings`.
+is seen by the census of :class:`omnitron.core.training.workers._LocalSiblings`; a rank on any node that dies
+without a word, by the peer holding its lifeline (:mod:`omnitron.core.training.lifeline`), which posts it here.
 """
 from __future__ import annotations
 
@@ -38,20 +39,35 @@ class PeerNeverJoined(RuntimeError):
     rank's fault (``peer`` in :func:`omnitron.core.training.failures.classify`)."""
 
 
-def announce_failure(rank: int, line: str) -> None:
-    """Post ``line`` as rank ``rank``'s reason for never joining, in the store torchrun's agent hosts
-    (``TORCHELASTIC_USE_AGENT_STORE``); nothing elsewhere (rank 0 hosts the store outside torchrun's agent, and
+def agent_store(timeout_s: float):
+    """A client of the job's store where torchrun's agent hosts it (``TORCHELASTIC_USE_AGENT_STORE``: up whatever
+    rank failed), with this attempt's prefix; None elsewhere (rank 0 hosts the store outside torchrun's agent, and
     ``--nproc-per-node`` checks settings in its launcher, before any worker starts)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_PORT" not in os.environ:
-        return
+        return None
     import torch.distributed as dist
 
-    try:
-        store = prefixed(dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                       int(os.environ.get("WORLD_SIZE", "1")), False,
-                                       datetime.timedelta(seconds=ANNOUNCE_TIMEOUT_S)))
+    return prefixed(dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  int(os.environ.get("WORLD_SIZE", "1")), False, datetime.timedelta(seconds=timeout_s)))
+
+
+def post_failure(store, rank: int, line: str, own: bool = True) -> None:
+    """``line`` as rank ``rank``'s reason for never joining (``own=False``: a peer's account of it, kept only where the
+    rank posted none), and ``rank`` as the first failure where none is posted yet (later ones may be reactions)."""
+    if own:
         store.set(f"failed/{rank}", line)
-        store.compare_set(FIRST_KEY, "", str(rank))  # the first one only: later ones may be reactions
+    else:
+        store.compare_set(f"failed/{rank}", "", line)
+    store.compare_set(FIRST_KEY, "", str(rank))
+
+
+def announce_failure(rank: int, line: str) -> None:
+    """Post ``line`` as rank ``rank``'s reason for never joining, in the store torchrun's agent hosts
+    (:func:`agent_store`); nothing elsewhere."""
+    try:
+        store = agent_store(ANNOUNCE_TIMEOUT_S)
+        if store is not None:
+            post_failure(store, rank, line)
     except Exception:  # noqa: BLE001  the store is gone or unreachable: the peers' own waits and signals apply
         pass
 
