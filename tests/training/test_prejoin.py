@@ -133,14 +133,19 @@ def test_a_peers_account_never_replaces_a_ranks_own_line(agent_store):
         prejoin.check_abandoned(store)
 
 
-def test_no_agent_store_no_post(monkeypatch):
-    """Outside torchrun's agent store (rank 0 would host it; it may be the rank that failed) nothing is posted:
-    no connection is tried, so a refusal never waits on a store that is not there."""
-    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+@pytest.mark.parametrize("agent_store_env, rank", [(None, 1), ("False", 0)])
+def test_no_store_no_post(monkeypatch, agent_store_env, rank):
+    """Outside torchrun (``--nproc-per-node`` checks in its launcher), and for rank 0 where it would host the store
+    itself (torchrun's agent not sharing its own: it failed before hosting), nothing is posted: no connection is
+    tried, so a refusal never waits on a store that is not there."""
+    if agent_store_env is None:
+        monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    else:
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", agent_store_env)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "1")  # nothing listens: a connection attempt would take ANNOUNCE_TIMEOUT_S
     t0 = time.monotonic()
-    prejoin.announce_failure(1, "bad")
+    prejoin.announce_failure(rank, "bad")
     assert time.monotonic() - t0 < 1.0
 
 
@@ -210,12 +215,15 @@ def test_torchrun_peer_of_a_failed_rank_exits_promptly(tmp_path, how):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["refused", "killed"])
-def test_two_nodes_peer_of_a_failed_rank_exits_promptly(tmp_path, how):
-    """Two torchrun agents on the loopback, one rank each (node 0 hosts the store): once rank 0 waits in the join,
-    rank 1 on node 1 is refused (a missing --vocab-file) or SIGKILLed in its checks (not a word from it). Node 1's
-    agent tells node 0 nothing, so before the store's post (refused) and the lifeline (killed) rank 0 waited out the
-    300 s join wait; now it exits within seconds of node 1's end naming rank 1 (its line, or its pid and host), and
-    node 0's agent with it (the bound as the one-node test's: a loaded machine's imports, no SIGKILL)."""
+@pytest.mark.parametrize("rendezvous", ["static", "rank 0's store"])
+def test_two_nodes_peer_of_a_failed_rank_exits_promptly(tmp_path, how, rendezvous):
+    """Two torchrun agents on the loopback, one rank each: once rank 0 waits in the join, rank 1 on the other node is
+    refused (a missing --vocab-file) or SIGKILLed in its checks (not a word from it). Its agent tells the other node
+    nothing, so before the store's post (refused) and the lifeline (killed) rank 0 waited out the 300 s join wait;
+    now it exits within seconds of rank 1's node ending, naming rank 1 (its line, or its pid and host), and its agent
+    with it (the bound as the one-node test's: a loaded machine's imports, no SIGKILL). The store: the static
+    rendezvous's, hosted by node 0's agent, or rank 0's (a c10d rendezvous told not to share its store, where rank 0
+    used to wait 300 s for every client before it even reached the join)."""
     import socket
 
     script = tmp_path / "ranks.py"
@@ -224,28 +232,39 @@ def test_two_nodes_peer_of_a_failed_rank_exits_promptly(tmp_path, how):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
-                                str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
-                                str(port), "--monitor-interval", "0.1", str(script), str(tmp_path / f"logs{node}"),
-                                str(flag), how], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=env, cwd=str(tmp_path)) for node in (0, 1)]
+    if rendezvous == "static":
+        where = lambda node: ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)]  # noqa
+    else:  # the nodes' ranks are given in the order they join: either node may hold rank 1
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        where = lambda node: ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two"]  # noqa
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", *where(node),
+                                "--nproc-per-node", "1", "--monitor-interval", "0.1", str(script),
+                                str(tmp_path / f"logs{node}"), str(flag), how],
+                               stdout=open(tmp_path / f"agent{node}.out", "w"), stderr=subprocess.STDOUT, env=env,
+                               cwd=str(tmp_path)) for node in (0, 1)]
     try:
-        out1, _ = agents[1].communicate(timeout=150)
-        ended = time.monotonic()
-        out0, _ = agents[0].communicate(timeout=150)
-        took = time.monotonic() - ended
+        ended, outs, t0 = {}, {}, time.monotonic()
+        while len(outs) < 2:  # each agent's end, in the order they come (150 s after the first: the wait is 300 s)
+            for node, a in enumerate(agents):
+                if node not in outs and a.poll() is not None:  # (its output in a file: a full pipe would stall it)
+                    outs[node], ended[node] = (tmp_path / f"agent{node}.out").read_text(), time.monotonic()
+            assert time.monotonic() - min(ended.values(), default=t0) < 150 + (0 if ended else 150), outs
+            time.sleep(0.1)
     finally:
         for a in agents:
             if a.poll() is None:
                 a.kill()
-    assert flag.exists(), (out0[-3000:], out1[-3000:])
+    assert flag.exists(), outs
+    waited = next((n for n in outs if "rank 0: lost a peer" in outs[n]), None)
+    assert waited is not None, outs
+    out0, out1, took = outs[waited], outs[1 - waited], ended[waited] - ended[1 - waited]
     if how == "refused":
         assert "--vocab-file /nonexistent/vocab.json: file not found" in out1, out1[-3000:]
         said = "rank 1 failed before joining the job: --vocab-file /nonexistent/vocab.json: file not found"
     else:
         assert "Signal 9 (SIGKILL)" in out1 or "exitcode  : -9" in out1, out1[-3000:]
-        said = f"rank 1 failed before joining the job: it exited without a word (pid "
+        said = "rank 1 failed before joining the job: it exited without a word (pid "
         assert f" on {socket.gethostname()}): killed (SIGKILL, the out-of-memory killer) or crashed" in out0, \
             out0[-3000:]
-    assert f"rank 0: lost a peer ({said}" in out0 and agents[0].returncode == 1, out0[-3000:]
+    assert f"rank 0: lost a peer ({said}" in out0 and agents[waited].returncode == 1, out0[-3000:]
     assert took < 30, took  # the join wait it replaced is 300 s

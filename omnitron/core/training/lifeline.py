@@ -8,8 +8,8 @@ the whole join wait (300 s). A heartbeat in the store would not do better within
 a loaded or frozen rank shows.
 
 So each torchrun rank, from the start of ``omnitron train`` (:func:`hold`, before its settings are checked), listens
-on a port of its own and posts the address (``lifeline/<rank>``, with its pid and host) in the store torchrun's
-agent hosts; rank ``r`` connects to rank ``r + 1``'s (mod the world) and holds the connection until its own join is
+on a port of its own and posts the address (``lifeline/<rank>``, with its pid and host) in the job's store
+(:func:`omnitron.core.training.prejoin.job_store`); rank ``r`` connects to rank ``r + 1``'s (mod the world) and holds the connection until its own join is
 done (:func:`release`). The kernel closes a process's sockets however it ends, so a death ends the connection
 (or refuses it) at once, and the watcher posts it as that rank's failure before joining
 (:func:`omnitron.core.training.prejoin.post_failure`, kept only where the rank posted no line of its own): every
@@ -33,8 +33,9 @@ POLL_S = 1.0
 """Seconds between the watcher's looks at its stop flag and at the store (while the peer has posted no address)."""
 CONNECT_S = 5.0
 """How long the watcher tries to connect to its peer's lifeline; a peer it cannot reach is not watched."""
-STORE_S = 30.0
-"""The watcher's store client's wait for the store (torchrun's agent hosts it: up before any rank starts)."""
+STORE_S = 300.0
+"""The watcher's store client's wait for the store (torchrun's agent hosts it: up before any rank starts; rank 0,
+where the agent does not share its store, only from its join: as long as the join waits)."""
 
 
 class Lifeline:
@@ -60,7 +61,7 @@ class Lifeline:
 
     def _run(self) -> None:
         try:
-            store = prejoin.agent_store(STORE_S)
+            store = prejoin.job_store(STORE_S)
             where = {"host": self.address, "port": self.listener.getsockname()[1], "info": self.info}
             store.set(f"lifeline/{self.rank}", json.dumps(where))
             self.posted.set()
@@ -119,12 +120,13 @@ _held: Lifeline | None = None
 
 
 def hold() -> None:
-    """Start this rank's lifeline once, where it applies: a rank of a job of several under torchrun's agent store
-    (``RANK``, ``WORLD_SIZE`` > 1, ``TORCHELASTIC_USE_AGENT_STORE``); a socket error leaves the join's waits to act."""
+    """Start this rank's lifeline once, where it applies: a torchrun rank of a job of several (``RANK``,
+    ``WORLD_SIZE`` > 1, ``TORCHELASTIC_USE_AGENT_STORE`` set: :func:`prejoin.job_store`); a socket error leaves the
+    join's waits to act."""
     global _held
     env = os.environ
     if _held is not None or "RANK" not in env or int(env.get("WORLD_SIZE", "1") or 1) < 2 \
-            or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_PORT" not in env:
+            or env.get("TORCHELASTIC_USE_AGENT_STORE") not in ("True", "False") or "MASTER_PORT" not in env:
         return
     try:
         _held = Lifeline(int(env["RANK"]), int(env["WORLD_SIZE"])).start()

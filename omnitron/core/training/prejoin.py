@@ -6,7 +6,8 @@ waiting for its ``arrived`` key. Before, they waited there until torchrun's agen
 stop flag takes for "stop after this iteration" (a preemption during start-up stops the job cleanly before its
 first iteration): the wait went on for 30 s, until the agent's SIGKILL; on another node, whose agent sends nothing,
 up to the 300 s join wait. Now the refused rank posts its one line to the job's store (:func:`announce_failure`;
-torchrun's agent hosts the store, so it is up whatever rank failed), and every waiting rank, on any node, stops
+torchrun's agent hosts the store, so it is up whatever rank failed; or rank 0, where the agent does not share its
+store, which rank 0 then hosts without waiting for every client), and every waiting rank, on any node, stops
 within a poll naming it (:func:`check_abandoned`). A sibling on the same host that exits without a word (a crash)
 is seen by the census of :class:`omnitron.core.training.workers._LocalSiblings`; a rank on any node that dies
 without a word, by the peer holding its lifeline (:mod:`omnitron.core.training.lifeline`), which posts it here.
@@ -19,7 +20,8 @@ import os
 FIRST_KEY = "failed/first"
 """The store key holding the rank that failed first before joining (set once, by compare-and-set)."""
 ANNOUNCE_TIMEOUT_S = 5.0
-"""How long a refused rank tries to reach the store to post its line (a courtesy: its own stderr line stands)."""
+"""How long a refused rank tries to reach the store to post its line (a courtesy: its own stderr line stands; rank
+0's store, where it hosts one, may not be up yet)."""
 
 
 def attempt() -> int:
@@ -39,11 +41,15 @@ class PeerNeverJoined(RuntimeError):
     rank's fault (``peer`` in :func:`omnitron.core.training.failures.classify`)."""
 
 
-def agent_store(timeout_s: float):
-    """A client of the job's store where torchrun's agent hosts it (``TORCHELASTIC_USE_AGENT_STORE``: up whatever
-    rank failed), with this attempt's prefix; None elsewhere (rank 0 hosts the store outside torchrun's agent, and
-    ``--nproc-per-node`` checks settings in its launcher, before any worker starts)."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_PORT" not in os.environ:
+def job_store(timeout_s: float, rank: int | None = None):
+    """A client of a torchrun job's store, with this attempt's key prefix: the one torchrun's agent hosts
+    (``TORCHELASTIC_USE_AGENT_STORE=True``, the default of its static and c10d rendezvous: up whatever rank failed),
+    or rank 0's where the agent leaves the store to it (``False``: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, etcd);
+    the client waits up to ``timeout_s`` for the store to be up. None outside torchrun (``--nproc-per-node`` checks
+    settings in its launcher, before any worker starts), and for rank ``rank`` 0 where it would host the store
+    (refused before it did, there is none to post to)."""
+    where = os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
+    if where not in ("True", "False") or "MASTER_PORT" not in os.environ or (where == "False" and rank == 0):
         return None
     import torch.distributed as dist
 
@@ -62,10 +68,10 @@ def post_failure(store, rank: int, line: str, own: bool = True) -> None:
 
 
 def announce_failure(rank: int, line: str) -> None:
-    """Post ``line`` as rank ``rank``'s reason for never joining, in the store torchrun's agent hosts
-    (:func:`agent_store`); nothing elsewhere."""
+    """Post ``line`` as rank ``rank``'s reason for never joining, in the job's store (:func:`job_store`; rank 0's
+    one, hosted by a rank that is not up within ANNOUNCE_TIMEOUT_S, misses it: its join wait applies)."""
     try:
-        store = agent_store(ANNOUNCE_TIMEOUT_S)
+        store = job_store(ANNOUNCE_TIMEOUT_S, rank)
         if store is not None:
             post_failure(store, rank, line)
     except Exception:  # noqa: BLE001  the store is gone or unreachable: the peers' own waits and signals apply

@@ -67,8 +67,10 @@ def open_store(timeout_s: float, is_master: bool):
     import torch.distributed as dist
 
     wait = datetime.timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S))
+    # NOTE: the host does not wait for every rank to connect: its join's wait does, and stops on a peer's failure
+    # (rank 0 hosting under torchrun without the agent's store waited 300 s here for a refused peer)
     base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-                         is_master, wait, multi_tenant=is_master)
+                         is_master, wait, multi_tenant=is_master, wait_for_workers=not is_master)
     return prefixed(base)
 
 
