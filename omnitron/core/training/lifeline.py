@@ -45,8 +45,7 @@ class Lifeline:
     def __init__(self, rank: int, world: int) -> None:
         self.rank, self.world = rank, world
         self.info = f"pid {os.getpid()} on {socket.gethostname()}"
-        family, self.address = _own_address()
-        self.listener = socket.create_server(("", 0), family=family, backlog=16)  # never accepted: see _gone
+        self.listener: socket.socket | None = None  # made by the thread (a name lookup must not hold the rank up)
         self.posted, self._stop = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name="omnitron-lifeline", daemon=True)
 
@@ -61,8 +60,10 @@ class Lifeline:
 
     def _run(self) -> None:
         try:
+            family, address = _own_address()
+            self.listener = socket.create_server(("", 0), family=family, backlog=16)  # never accepted: see _gone
             store = prejoin.job_store(STORE_S)
-            where = {"host": self.address, "port": self.listener.getsockname()[1], "info": self.info}
+            where = {"host": address, "port": self.listener.getsockname()[1], "info": self.info}
             store.set(f"lifeline/{self.rank}", json.dumps(where))
             self.posted.set()
             self._watch(store, (self.rank + 1) % self.world)
@@ -121,8 +122,8 @@ _held: Lifeline | None = None
 
 def hold() -> None:
     """Start this rank's lifeline once, where it applies: a torchrun rank of a job of several (``RANK``,
-    ``WORLD_SIZE`` > 1, ``TORCHELASTIC_USE_AGENT_STORE`` set: :func:`prejoin.job_store`); a socket error leaves the
-    join's waits to act."""
+    ``WORLD_SIZE`` > 1, ``TORCHELASTIC_USE_AGENT_STORE`` set: :func:`prejoin.job_store`); its thread does the work
+    (a socket or store error leaves the join's waits to act)."""
     global _held
     env = os.environ
     if _held is not None or "RANK" not in env or int(env.get("WORLD_SIZE", "1") or 1) < 2 \
@@ -130,7 +131,7 @@ def hold() -> None:
         return
     try:
         _held = Lifeline(int(env["RANK"]), int(env["WORLD_SIZE"])).start()
-    except (OSError, ValueError):
+    except ValueError:  # a RANK that is no number: the launch's own checks say so
         pass
 
 
