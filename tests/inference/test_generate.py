@@ -66,7 +66,8 @@ def test_prompts_near_the_context_get_the_room_left_and_a_line_saying_so():
     short = [i for i, n in enumerate(lengths) if limit - n < want]
     assert short == [1, 3, 4, 5]
     note = out.note
-    assert note.startswith(f"the model's context is {limit} positions (--max-position-embeddings): ") and "\n" not in note
+    assert note.startswith(f"the model's context is {limit} positions (--max-position-embeddings): ")
+    assert "\n" not in note
     for i in range(len(lengths)):
         said = f"prompt {i} takes {lengths[i]} of them, leaving room for {limit - lengths[i]}"
         assert (said in note) == (i in short[:3]), (i, note)  # the first three named, the rest counted

@@ -232,11 +232,14 @@ def test_two_nodes_peer_of_a_failed_rank_exits_promptly(tmp_path, how, rendezvou
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    if rendezvous == "static":
-        where = lambda node: ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)]  # noqa
-    else:  # the nodes' ranks are given in the order they join: either node may hold rank 1
+    def where(node: int) -> list[str]:
+        if rendezvous == "static":
+            return ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+        # the nodes' ranks are given in the order they join: either node may hold rank 1
+        return ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two"]
+
+    if rendezvous != "static":
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        where = lambda node: ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two"]  # noqa
     agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", *where(node),
                                 "--nproc-per-node", "1", "--monitor-interval", "0.1", str(script),
                                 str(tmp_path / f"logs{node}"), str(flag), how],

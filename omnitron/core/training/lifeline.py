@@ -9,12 +9,13 @@ a loaded or frozen rank shows.
 
 So each torchrun rank, from the start of ``omnitron train`` (:func:`hold`, before its settings are checked), listens
 on a port of its own and posts the address (``lifeline/<rank>``, with its pid and host) in the job's store
-(:func:`omnitron.core.training.prejoin.job_store`); rank ``r`` connects to rank ``r + 1``'s (mod the world) and holds the connection until its own join is
-done (:func:`release`). The kernel closes a process's sockets however it ends, so a death ends the connection
-(or refuses it) at once, and the watcher posts it as that rank's failure before joining
-(:func:`omnitron.core.training.prejoin.post_failure`, kept only where the rank posted no line of its own): every
-rank's join wait stops within a poll naming the rank and its host (:func:`~omnitron.core.training.prejoin.check_abandoned`).
-A frozen rank keeps its connection (no false alarm: the join wait, and the census for local siblings, apply).
+(:func:`omnitron.core.training.prejoin.job_store`); rank ``r`` connects to rank ``r + 1``'s (mod the world) and
+holds the connection until its own join is done (:func:`release`). The kernel closes a process's sockets however it
+ends, so a death ends the connection (or refuses it) at once, and the watcher posts it as that rank's failure before
+joining (:func:`omnitron.core.training.prejoin.post_failure`, kept only where the rank posted no line of its own):
+every rank's join wait stops within a poll naming the rank and its host
+(:func:`~omnitron.core.training.prejoin.check_abandoned`). A frozen rank keeps its connection (no false alarm: the
+join wait, and the census for local siblings, apply).
 
 Not covered (the join wait applies): a rank killed before its lifeline is posted (its interpreter's and torch's
 imports), one whose watcher died too, and a host gone without closing its connections (power lost). The connection
