@@ -232,6 +232,7 @@ def test_two_nodes_peer_of_a_failed_rank_exits_promptly(tmp_path, how, rendezvou
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+
     def where(node: int) -> list[str]:
         if rendezvous == "static":
             return ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)]
@@ -240,16 +241,16 @@ def test_two_nodes_peer_of_a_failed_rank_exits_promptly(tmp_path, how, rendezvou
 
     if rendezvous != "static":
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    logs = [open(tmp_path / f"agent{node}.out", "w") for node in (0, 1)]  # a full pipe would stall an agent
     agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", *where(node),
                                 "--nproc-per-node", "1", "--monitor-interval", "0.1", str(script),
-                                str(tmp_path / f"logs{node}"), str(flag), how],
-                               stdout=open(tmp_path / f"agent{node}.out", "w"), stderr=subprocess.STDOUT, env=env,
-                               cwd=str(tmp_path)) for node in (0, 1)]
+                                str(tmp_path / f"logs{node}"), str(flag), how], stdout=logs[node],
+                               stderr=subprocess.STDOUT, env=env, cwd=str(tmp_path)) for node in (0, 1)]
     try:
         ended, outs, t0 = {}, {}, time.monotonic()
         while len(outs) < 2:  # each agent's end, in the order they come (150 s after the first: the wait is 300 s)
             for node, a in enumerate(agents):
-                if node not in outs and a.poll() is not None:  # (its output in a file: a full pipe would stall it)
+                if node not in outs and a.poll() is not None:
                     outs[node], ended[node] = (tmp_path / f"agent{node}.out").read_text(), time.monotonic()
             assert time.monotonic() - min(ended.values(), default=t0) < 150 + (0 if ended else 150), outs
             time.sleep(0.1)
@@ -257,6 +258,8 @@ def test_two_nodes_peer_of_a_failed_rank_exits_promptly(tmp_path, how, rendezvou
         for a in agents:
             if a.poll() is None:
                 a.kill()
+        for f in logs:
+            f.close()
     assert flag.exists(), outs
     waited = next((n for n in outs if "rank 0: lost a peer" in outs[n]), None)
     assert waited is not None, outs
