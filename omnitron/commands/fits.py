@@ -10,6 +10,7 @@ refused; a run near the limit is left to train (and to the memory planner, ``omn
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -152,33 +153,78 @@ def _size(n: int) -> str:
 def refuse_once_a_host(err: DoesNotFit) -> int:
     """Exit code 2 for every rank, the line printed by local rank 0 only (every rank reaches the same verdict).
 
-    The other local ranks wait (at most :data:`SAID_WAIT_S`) until local rank 0 has printed, marked by a file in
-    the host's temporary folder named after the process that started the host's ranks (torchrun's agent; the same
-    for each local rank) and the attempt: their exit would make torchrun SIGTERM the rest, and a local rank 0 that
-    had not reached its print yet (slow imports) died without a word on the host's stderr."""
+    The other local ranks wait (at most :data:`SAID_WAIT_S`) until local rank 0 has printed, marked by a file
+    (:func:`_said_marker`): their exit would make torchrun SIGTERM the rest, and a local rank 0 that had not reached
+    its print yet (slow imports) died without a word on the host's stderr. The marker is made only where a local
+    rank waits for it; each waiter marks it seen, the last removes it (:func:`_seen`), and no rank leaves while it
+    is there (the first exit makes torchrun SIGTERM the others: one not yet past its mark left the file behind).
+    It used to stay in the temporary folder, one file for each refused job and attempt."""
     from omnitron.core.training.failures import refuse
 
-    marker = _said_marker()
-    if os.environ.get("LOCAL_RANK", "0") == "0":
-        code = refuse(err)
+    marker, waiters, first = _said_marker(), _waiters(), os.environ.get("LOCAL_RANK", "0") == "0"
+    code = refuse(err, say=first)
+    if waiters:
         sys.stderr.flush()
-        try:
-            marker.touch()
-        except OSError:  # an unwritable temporary folder: the others wait out their bound
-            pass
-        return code
-    code = refuse(err, say=False)
-    deadline = time.monotonic() + SAID_WAIT_S
-    while not marker.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+        _leave_together(marker, waiters, first)
     return code
 
 
+def _leave_together(marker, waiters: int, first: bool) -> None:
+    """Local rank 0 (``first``) makes ``marker`` once it has said the line; each of the ``waiters`` others waits
+    for it and marks it seen; the last removes it; none leaves while it is there (bounded by SAID_WAIT_S; then
+    local rank 0 removes it: a waiter that never came)."""
+    deadline = time.monotonic() + SAID_WAIT_S
+    if first:
+        try:
+            marker.touch()
+        except OSError:  # an unwritable folder: the others wait out their bound
+            return
+    else:
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _seen(marker, waiters)
+    while marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if first:
+        with contextlib.suppress(OSError):
+            os.unlink(marker)
+
+
+def _waiters() -> int:
+    """How many local ranks wait for local rank 0's line: the host's other ranks under a launcher that starts each
+    rank (torchrun: ``LOCAL_RANK`` set), none for the ``--nproc-per-node`` launcher, which checks alone."""
+    if "LOCAL_RANK" not in os.environ:
+        return 0
+    return max(0, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1) - 1)
+
+
+def _seen(marker, waiters: int) -> None:
+    """Tell the marker this rank has seen it (one byte appended); the rank whose byte makes ``waiters`` removes it."""
+    try:
+        fd = os.open(marker, os.O_WRONLY | os.O_APPEND)  # no O_CREAT: a marker that never came stays absent
+    except OSError:
+        return
+    try:
+        os.write(fd, b".")
+        last = os.fstat(fd).st_size >= waiters
+    finally:
+        os.close(fd)
+    if last:
+        with contextlib.suppress(OSError):
+            os.unlink(marker)
+
+
 def _said_marker():
-    """The file local rank 0 touches once it has printed the refusal (:func:`refuse_once_a_host`)."""
+    """The file local rank 0 touches once it has printed the refusal (:func:`refuse_once_a_host`): in this
+    attempt's folder of torchrun's logs (``<log_dir>/<run>/attempt_<n>/<local rank>/error.json`` is each rank's
+    error file: one folder a job and attempt, shared by the host's ranks), else in the temporary folder, named
+    after the process that started the host's ranks (the same for each local rank), the port and the attempt."""
     import pathlib
 
     from omnitron.core.training.prejoin import attempt
 
+    error_file = pathlib.Path(os.environ.get("TORCHELASTIC_ERROR_FILE", "") or os.devnull)
+    if error_file.parent.name == os.environ.get("LOCAL_RANK") and error_file.parent.parent.name.startswith("attempt_"):
+        return error_file.parent.parent / "omnitron-unfit-said"
     name = f"omnitron-unfit-{os.getppid()}-{os.environ.get('MASTER_PORT', '')}-{attempt()}"
     return pathlib.Path(tempfile.gettempdir()) / name

@@ -22,7 +22,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main_from_dict(given: dict) -> int:
-    """Validate (exit code 2 with one line naming the flag on bad settings), then launch."""
+    """Validate (exit code 2 with one line naming the flag on bad settings), then launch. A torchrun rank first
+    holds its lifeline (:mod:`omnitron.core.training.lifeline`): should it die before joining, its peers on every
+    node stop waiting for it within a poll."""
+    from omnitron.core.training import lifeline
+
+    lifeline.hold()
     from omnitron.backends.registry import get_backend
     from omnitron.commands.fits import DoesNotFit, check_fits, refuse_once_a_host
     from omnitron.core.checkpoint import CheckpointError

@@ -132,6 +132,39 @@ def test_server_answers_like_the_library(gpt_ckpt):
         server.server_close()
 
 
+def test_a_prompt_near_the_context_gets_the_room_left_with_one_line(gpt_ckpt):
+    """``omnitron generate`` and the server, a prompt two positions short of the model's context and 6 tokens
+    asked: it gets 2 (the library's greedy tokens, stopped where the context is full), and one line says so: the
+    command's on stderr, the server's in the answer's ``warnings`` (before: 2 tokens and no word). A prompt with room
+    enough gets no line."""
+    from omnitron.core.inference.generation import context_limit
+
+    _, path = gpt_ckpt
+    loaded = load_for_inference(path, get_backend("cpu"))
+    limit = context_limit(loaded.model)
+    ids = torch.randint(0, 300, (limit - 2,)).tolist()
+    prompt = " ".join(map(str, ids))
+    lib = generate_batch(loaded.model, [ids], limit, eod=300)  # the context stops it: its 2 tokens (or fewer at EOD)
+    text = " ".join(map(str, ids + [t for t in lib.tokens[0] if t != 300]))
+    line = (f"the model's context is {limit} positions (--max-position-embeddings): prompt 0 takes {limit - 2} of "
+            "them, leaving room for 2 of the 6 new tokens asked; generating that many (shorten the prompt or ask "
+            "for fewer tokens)")
+    rc, out, err = _cli("generate", "--load", path, "--prompt", prompt, "--max-new-tokens", "6", "--top-k", "1",
+                        "--json", "--backend", "cpu")
+    assert rc == 0 and err.strip().splitlines() == [f"omnitron generate: warning: {line}"], err
+    assert json.loads(out) == {"text": [text], "warnings": [line]}
+    server = make_server(loaded, port=0, quiet=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        code, got = _put(server.server_port, {"prompts": [prompt], "tokens_to_generate": 6, "top_k": 1})
+        assert code == 200 and got == {"text": [text], "warnings": [line]}, got
+        code, got = _put(server.server_port, {"prompts": ["1 2"], "tokens_to_generate": 6, "top_k": 1})
+        assert code == 200 and set(got) == {"text"}, got
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_generate_command_t5_and_llava_caption(tmp_path):
     from omnitron.core.inference.families import caption, generate_t5
     from omnitron.core.inference.text import synthetic_image

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
 import random
 import signal
 import subprocess
@@ -177,8 +178,11 @@ def test_the_line_is_said_when_local_rank_0_is_slow(tmp_path):
     import time
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
-               RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_PORT=str(random.randint(20000, 60000)))
-    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+               RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_PORT=str(random.randint(20000, 60000)),
+               TMPDIR=str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    for k in ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE"):
+        env.pop(k, None)
     ranks = []
     for local, delay in (("0", "3"), ("1", "0")):
         err = open(tmp_path / f"err{local}", "w")
@@ -193,9 +197,10 @@ def test_the_line_is_said_when_local_rank_0_is_slow(tmp_path):
     codes = [p.wait(timeout=60) for p in ranks]
     said = [line for local in "01" for line in (tmp_path / f"err{local}").read_text().splitlines()
             if "the model does not fit" in line]
-    # local rank 1 exits once the line is out; local rank 0 may then still be in its interpreter's teardown when the
-    # agent's SIGTERM comes (-15), as under torchrun: its line is said either way, which is what the test is about
-    assert len(said) == 1 and codes[1] == 2 and codes[0] in (2, -signal.SIGTERM), (codes, said)
+    # both leave once local rank 1 has seen the line out (the marker gone); the later one may then still be in its
+    # interpreter's teardown when the agent's SIGTERM comes (-15), as under torchrun: the line is said either way
+    assert len(said) == 1 and set(codes) <= {2, -signal.SIGTERM} and 2 in codes, (codes, said)
+    assert list((tmp_path / "tmp").glob("omnitron-unfit*")) == []  # the marker went with them
 
 
 @pytest.mark.parametrize("name", ["cpu", "sim"])
@@ -211,3 +216,50 @@ def test_host_memory_backends_say_so(name):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.stdout.strip() == "True", out.stderr[-2000:]
     assert Capabilities.__dataclass_fields__["host_memory"].default is False
+
+
+@pytest.mark.parametrize("waiters", [1, 3])
+def test_the_said_marker_is_removed_by_the_last_rank_that_waits_for_it(waiters, monkeypatch, tmp_path):
+    """Local rank 0 and its ``waiters`` (threads here, local rank 0 last, as when its imports are slow): each waiter
+    marks the marker seen, the last removes it, and every one returns once it is gone, well within the bound (here
+    60 s; a marker left behind kept them all until local rank 0 removed it then). Before, the marker stayed."""
+    import threading
+
+    monkeypatch.setattr(fits, "SAID_WAIT_S", 60.0)
+    marker = tmp_path / "omnitron-unfit-said"
+    ranks = [threading.Thread(target=fits._leave_together, args=(marker, waiters, r == 0), daemon=True)
+             for r in range(waiters, -1, -1)]
+    for t in ranks:
+        t.start()
+    for t in ranks:
+        t.join(timeout=30.0)
+    assert not any(t.is_alive() for t in ranks) and list(tmp_path.iterdir()) == []
+
+
+def test_the_said_marker_lives_in_torchruns_attempt_folder(monkeypatch, tmp_path):
+    """Under torchrun each local rank's error file is ``<logs>/<run>/attempt_<n>/<local rank>/error.json``: the
+    marker is the attempt's own file there (one job and attempt: no other job's can collide with it), the same
+    for every local rank; elsewhere it is in the temporary folder."""
+    import tempfile
+
+    attempt = tmp_path / "torchelastic_x" / "run_y" / "attempt_2"
+    found = set()
+    for r in ("0", "1"):
+        monkeypatch.setenv("LOCAL_RANK", r)
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(attempt / r / "error.json"))
+        found.add(fits._said_marker())
+    assert found == {attempt / "omnitron-unfit-said"}
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))  # not torchrun's layout
+    assert fits._said_marker().parent == pathlib.Path(tempfile.gettempdir())
+
+
+def test_the_nproc_launcher_makes_no_marker(monkeypatch, tmp_path, capsys):
+    """``--nproc-per-node`` checks in its launcher, before any worker starts (no ``LOCAL_RANK``): nothing waits for a
+    marker, so none is made (before, one was left in the temporary folder by each refused launch)."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_ERROR_FILE"):
+        monkeypatch.delenv(k, raising=False)
+    assert fits.refuse_once_a_host(fits.DoesNotFit("the model does not fit: test")) == 2
+    assert list(tmp_path.iterdir()) == []

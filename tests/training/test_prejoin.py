@@ -81,14 +81,71 @@ def test_a_sibling_that_exits_before_joining_stops_the_wait(agent_store, monkeyp
     assert str(stopped.value) == f"rank 1 (pid {rank1.pid}) exited before joining the job (its log says why)"
 
 
-def test_no_agent_store_no_post(monkeypatch):
-    """Outside torchrun's agent store (rank 0 would host it; it may be the rank that failed) nothing is posted:
-    no connection is tried, so a refusal never waits on a store that is not there."""
-    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+LIFELINE_RANK = """
+import sys, time
+from omnitron.core.training import lifeline
+lifeline.hold()
+assert lifeline._held is not None and lifeline._held.posted.wait(60)
+print("posted", flush=True)
+time.sleep(120)  # still starting: killed here, it never posts a word
+"""
+
+
+def test_a_rank_killed_before_joining_is_named_through_its_lifeline(agent_store, monkeypatch):
+    """Rank 1 (another process, as on another node: no sibling census) holds its lifeline and is still starting;
+    rank 0 waits in the join watching it: nothing is posted while it lives (two polls); SIGKILLed, it is named
+    with its pid and host within a poll (before: the join wait, here 60 s, in production 300 s)."""
+    import socket
+
+    from omnitron.core.training import lifeline
+
+    env = dict(os.environ, RANK="1", PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    rank1 = subprocess.Popen([sys.executable, "-c", LIFELINE_RANK], env=env, stdout=subprocess.PIPE, text=True)
+    watcher = lifeline.Lifeline(0, 2).start()
+    try:
+        assert rank1.stdout.readline().strip() == "posted"
+        store = workers.open_store(1.0, is_master=False)
+        store.set("arrived/0", "1")
+        time.sleep(2 * lifeline.POLL_S)  # connected and watching: a live rank that has not arrived is no failure
+        assert not store.check([prejoin.FIRST_KEY])
+        threading.Timer(0.5, rank1.kill).start()
+        t0 = time.monotonic()
+        with pytest.raises(prejoin.PeerNeverJoined) as stopped:
+            workers._wait_for_arrivals(store, 2, 1.0)
+        assert time.monotonic() - t0 < 0.5 + lifeline.POLL_S + POLL_S + 2.0
+    finally:
+        watcher.stop()
+        rank1.kill()
+        rank1.wait()
+    assert str(stopped.value) == (f"rank 1 failed before joining the job: it exited without a word (pid {rank1.pid} "
+                                  f"on {socket.gethostname()}): killed (SIGKILL, the out-of-memory killer) or "
+                                  "crashed; its node's log says why")
+
+
+def test_a_peers_account_never_replaces_a_ranks_own_line(agent_store):
+    """A refused rank posts its line, then exits, which its watcher sees too: the rank's own line stays the one
+    every peer reads."""
+    store = workers.open_store(1.0, is_master=False)
+    prejoin.announce_failure(1, "--vocab-file /x: file not found")
+    prejoin.post_failure(store, 1, "it exited without a word", own=False)
+    with pytest.raises(prejoin.PeerNeverJoined, match="rank 1 failed before joining the job: --vocab-file /x: file "
+                       "not found$"):
+        prejoin.check_abandoned(store)
+
+
+@pytest.mark.parametrize("agent_store_env, rank", [(None, 1), ("False", 0)])
+def test_no_store_no_post(monkeypatch, agent_store_env, rank):
+    """Outside torchrun (``--nproc-per-node`` checks in its launcher), and for rank 0 where it would host the store
+    itself (torchrun's agent not sharing its own: it failed before hosting), nothing is posted: no connection is
+    tried, so a refusal never waits on a store that is not there."""
+    if agent_store_env is None:
+        monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    else:
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", agent_store_env)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "1")  # nothing listens: a connection attempt would take ANNOUNCE_TIMEOUT_S
     t0 = time.monotonic()
-    prejoin.announce_failure(1, "bad")
+    prejoin.announce_failure(rank, "bad")
     assert time.monotonic() - t0 < 1.0
 
 
@@ -104,7 +161,16 @@ if os.environ["RANK"] == "1":
     if sys.argv[3] == "crashed":
         time.sleep(1.0)  # rank 0's census of its siblings is taken as its wait starts
         os._exit(3)
-    args += ["--vocab-file", "/nonexistent/vocab.json"]
+    if sys.argv[3] == "killed":  # SIGKILLed in its checks, its lifeline posted: not a word from it
+        import signal
+        from omnitron.commands import fits
+        from omnitron.core.training import lifeline
+        def killed(*a, **k):
+            lifeline._held.posted.wait(60)
+            os.kill(os.getpid(), signal.SIGKILL)
+        fits.check_fits = killed
+    else:
+        args += ["--vocab-file", "/nonexistent/vocab.json"]
 sys.exit(main(args))
 """
 
@@ -148,11 +214,16 @@ def test_torchrun_peer_of_a_failed_rank_exits_promptly(tmp_path, how):
 
 
 @pytest.mark.slow
-def test_two_nodes_peer_of_a_refused_rank_exits_promptly(tmp_path):
-    """Two torchrun agents on the loopback, one rank each (node 0 hosts the store): once rank 0 waits in the join,
-    rank 1 on node 1 is refused (a missing --vocab-file). Node 1's agent tells node 0 nothing, so before the
-    store's post rank 0 waited out the 300 s join wait; now it exits within seconds of the refusal naming rank 1,
-    and node 0's agent with it (the bound as the one-node test's: a loaded machine's imports, no SIGKILL)."""
+@pytest.mark.parametrize("how", ["refused", "killed"])
+@pytest.mark.parametrize("rendezvous", ["static", "rank 0's store"])
+def test_two_nodes_peer_of_a_failed_rank_exits_promptly(tmp_path, how, rendezvous):
+    """Two torchrun agents on the loopback, one rank each: once rank 0 waits in the join, rank 1 on the other node is
+    refused (a missing --vocab-file) or SIGKILLed in its checks (not a word from it). Its agent tells the other node
+    nothing, so before the store's post (refused) and the lifeline (killed) rank 0 waited out the 300 s join wait;
+    now it exits within seconds of rank 1's node ending, naming rank 1 (its line, or its pid and host), and its agent
+    with it (the bound as the one-node test's: a loaded machine's imports, no SIGKILL). The store: the static
+    rendezvous's, hosted by node 0's agent, or rank 0's (a c10d rendezvous told not to share its store, where rank 0
+    used to wait 300 s for every client before it even reached the join)."""
     import socket
 
     script = tmp_path / "ranks.py"
@@ -161,22 +232,45 @@ def test_two_nodes_peer_of_a_refused_rank_exits_promptly(tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
-                                str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
-                                str(port), "--monitor-interval", "0.1", str(script), str(tmp_path / f"logs{node}"),
-                                str(flag), "refused"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=env, cwd=str(tmp_path)) for node in (0, 1)]
+
+    def where(node: int) -> list[str]:
+        if rendezvous == "static":
+            return ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+        # the nodes' ranks are given in the order they join: either node may hold rank 1
+        return ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two"]
+
+    if rendezvous != "static":
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    logs = [open(tmp_path / f"agent{node}.out", "w") for node in (0, 1)]  # a full pipe would stall an agent
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", *where(node),
+                                "--nproc-per-node", "1", "--monitor-interval", "0.1", str(script),
+                                str(tmp_path / f"logs{node}"), str(flag), how], stdout=logs[node],
+                               stderr=subprocess.STDOUT, env=env, cwd=str(tmp_path)) for node in (0, 1)]
     try:
-        out1, _ = agents[1].communicate(timeout=150)
-        refused = time.monotonic()
-        out0, _ = agents[0].communicate(timeout=150)
-        took = time.monotonic() - refused
+        ended, outs, t0 = {}, {}, time.monotonic()
+        while len(outs) < 2:  # each agent's end, in the order they come (150 s after the first: the wait is 300 s)
+            for node, a in enumerate(agents):
+                if node not in outs and a.poll() is not None:
+                    outs[node], ended[node] = (tmp_path / f"agent{node}.out").read_text(), time.monotonic()
+            assert time.monotonic() - min(ended.values(), default=t0) < 150 + (0 if ended else 150), outs
+            time.sleep(0.1)
     finally:
         for a in agents:
             if a.poll() is None:
                 a.kill()
-    assert flag.exists(), (out0[-3000:], out1[-3000:])
-    assert "--vocab-file /nonexistent/vocab.json: file not found" in out1, out1[-3000:]
-    said = "rank 1 failed before joining the job: --vocab-file /nonexistent/vocab.json: file not found"
-    assert f"rank 0: lost a peer ({said}" in out0 and agents[0].returncode == 1, out0[-3000:]
+        for f in logs:
+            f.close()
+    assert flag.exists(), outs
+    waited = next((n for n in outs if "rank 0: lost a peer" in outs[n]), None)
+    assert waited is not None, outs
+    out0, out1, took = outs[waited], outs[1 - waited], ended[waited] - ended[1 - waited]
+    if how == "refused":
+        assert "--vocab-file /nonexistent/vocab.json: file not found" in out1, out1[-3000:]
+        said = "rank 1 failed before joining the job: --vocab-file /nonexistent/vocab.json: file not found"
+    else:
+        assert "Signal 9 (SIGKILL)" in out1 or "exitcode  : -9" in out1, out1[-3000:]
+        said = "rank 1 failed before joining the job: it exited without a word (pid "
+        assert f" on {socket.gethostname()}): killed (SIGKILL, the out-of-memory killer) or crashed" in out0, \
+            out0[-3000:]
+    assert f"rank 0: lost a peer ({said}" in out0 and agents[waited].returncode == 1, out0[-3000:]
     assert took < 30, took  # the join wait it replaced is 300 s

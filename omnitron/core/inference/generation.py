@@ -44,6 +44,9 @@ class Generation:
     """The generated tokens (without the prompt; ending with ``eod`` when the row stopped there)."""
     log_probs: list[list[float]] | None
     """``log p(token)`` of every token after the first (prompt[1:] then the generated ones), or None."""
+    note: str | None = None
+    """One line naming the prompts that get fewer than ``max_new_tokens`` because the model's context ends first
+    (:func:`context_note`), else None."""
 
 
 def context_limit(model) -> int:
@@ -62,6 +65,26 @@ def _check_prompts(prompts, vocab_size: int, limit: int, check_ids: bool) -> Non
                              "positions; shorten it")
         if check_ids and not all(0 <= t < vocab_size for t in p):
             raise ValueError(f"generate: prompt {i} holds token ids outside [0, {vocab_size}), the model's vocabulary")
+
+
+NOTE_LISTED = 3
+"""Prompts a :func:`context_note` names one by one (the others are counted)."""
+
+
+def context_note(lengths: list[int], max_new_tokens: int, limit: int) -> str | None:
+    """The line saying which prompts leave room for fewer than ``max_new_tokens`` in the model's ``limit``
+    positions, and that they get that many, else None. A row stops when prompt and generation fill the context
+    (:func:`_decode`): such a request used to return fewer tokens without a word. Megatron's serving engine
+    (``DynamicInferenceEngine.add_request``) likewise clamps the tokens to generate to the room left with a
+    warning, and Hugging Face's ``generate`` warns past ``max_position_embeddings``; a prompt longer than the
+    context is refused before (:func:`_check_prompts`)."""
+    short = [(i, n) for i, n in enumerate(lengths) if limit - n < max_new_tokens]
+    if not short:
+        return None
+    each = [f"prompt {i} takes {n} of them, leaving room for {limit - n}" for i, n in short[:NOTE_LISTED]]
+    more = f" (and {len(short) - NOTE_LISTED} more prompts)" if len(short) > NOTE_LISTED else ""
+    return (f"the model's context is {limit} positions (--max-position-embeddings): {'; '.join(each)}{more} of the "
+            f"{max_new_tokens} new tokens asked; generating that many (shorten the prompt or ask for fewer tokens)")
 
 
 def _left_pad(prompts, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -136,10 +159,12 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, *, para
     model.eval()
     try:
         cache = KVCache(model, cache_slots(prompts, max_new_tokens, limit)) if use_cache else contextlib.nullcontext()
+        lengths = [len(p) for p in prompts]
         with cache:
-            return _decode(forward, cache if use_cache else None, ids, valid, pos, padded, max_new_tokens,
-                           params, gens, _stops(eod), return_log_probs, limit, [len(p) for p in prompts],
-                           picker or Picker(), model)
+            out = _decode(forward, cache if use_cache else None, ids, valid, pos, padded, max_new_tokens, params,
+                          gens, _stops(eod), return_log_probs, limit, lengths, picker or Picker(), model)
+        out.note = context_note(lengths, max_new_tokens, limit)
+        return out
     finally:
         model.train(was_training)
 

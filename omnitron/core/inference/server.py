@@ -5,8 +5,10 @@
     {"prompts": ["..."], "tokens_to_generate": 32, "temperature": 1.0, "top_k": 0, "top_p": 0.0,
      "logprobs": false, "random_seed": 1234, "image_index": [0], "add_BOS": false, "stop_on_eol": false}
 
-answers ``{"text": [...]}`` (plus ``"segments"`` and ``"logprobs"`` when ``logprobs`` is true; see
-:func:`omnitron.core.inference.text.complete`). Defaults follow Megatron's server: temperature 1,
+answers ``{"text": [...]}`` (plus ``"segments"`` and ``"logprobs"`` when ``logprobs`` is true, and ``"warnings"``,
+one line, when a prompt leaves the model's context room for fewer tokens than asked: it gets the room left, as
+Megatron's serving engine clamps; see :func:`omnitron.core.inference.text.complete`). Defaults follow Megatron's
+server: temperature 1,
 no top-k / top-p filter (plain sampling), 64 tokens. ``image_index`` (multimodal checkpoints only):
 one synthetic validation image per prompt. ``add_BOS`` and ``stop_on_eol`` (GPT checkpoints): Megatron's
 options, see :func:`omnitron.core.inference.text.complete_gpt`. A malformed request gets 400 with ``{"error": message}``
@@ -252,6 +254,8 @@ def make_handler(loaded, lock: threading.Lock, *, timeout_s: float = TIMEOUT_S, 
             except Exception as err:  # noqa: BLE001 - a fault of the server, not of the request: still an answer
                 self.log_error("internal error: %r", err)
                 return self._reply(500, {"error": f"internal error: {type(err).__name__}: {str(err)[:200]}"})
+            for line in result.get("warnings", ()):
+                self.log_message("warning: %s", line)
             return self._reply(200, result)
 
         def do_POST(self) -> None:  # noqa: N802

@@ -4,7 +4,8 @@
 text-generation-server shape: ``text`` (prompt and generation decoded together for GPT and LLaVA, without
 the end-of-document token; the decoded target for T5, whose prompt is the encoder's input), and with log-probs
 ``segments`` (each token as a string, the prompt's tokens then the generated ones; T5's start with ``[CLS]``, LLaVA's
-with one ``"<image>"`` for all its placeholders) and ``logprobs`` (one per segment after the first).
+with one ``"<image>"`` for all its placeholders) and ``logprobs`` (one per segment after the first); and
+``warnings`` (one line) when a prompt leaves the context room for fewer tokens than asked, which it then gets.
 """
 from __future__ import annotations
 
@@ -67,6 +68,8 @@ def complete(loaded, prompts: list[str], tokens_to_generate: int, *, params: Sam
 
 def _result(tok, shown: list[list[int]], texts: list[str], out, logprobs: bool, lead: list[str]) -> dict:
     result = {"text": texts}
+    if out.note:  # some prompts get fewer tokens than asked: the context ends first
+        result["warnings"] = [out.note]
     if logprobs:
         result["segments"] = [lead + [tok.decode([t]) for t in toks] for toks in shown]
         result["logprobs"] = out.log_probs
@@ -127,7 +130,10 @@ def complete_caption(loaded, prompts: list[str], tokens_to_generate: int, *, par
 
 
 def print_result(out: dict, as_json: bool, log_probs: bool, truth: str | None) -> None:
-    """The command's output: JSON (the server's response shape), or each text (and its tokens' log-probs)."""
+    """The command's output: JSON (the server's response shape), or each text (and its tokens' log-probs); a
+    warning (:func:`omnitron.core.inference.generation.context_note`) also goes to stderr, one line."""
+    for line in out.get("warnings", ()):  # omnitron generate's output (one process, or a sharded job's rank 0)
+        print(f"omnitron generate: warning: {line}", file=sys.stderr, flush=True)
     if as_json:
         print(json.dumps(out), flush=True)
         return

@@ -6,9 +6,11 @@ waiting for its ``arrived`` key. Before, they waited there until torchrun's agen
 stop flag takes for "stop after this iteration" (a preemption during start-up stops the job cleanly before its
 first iteration): the wait went on for 30 s, until the agent's SIGKILL; on another node, whose agent sends nothing,
 up to the 300 s join wait. Now the refused rank posts its one line to the job's store (:func:`announce_failure`;
-torchrun's agent hosts the store, so it is up whatever rank failed), and every waiting rank, on any node, stops
+torchrun's agent hosts the store, so it is up whatever rank failed; or rank 0, where the agent does not share its
+store, which rank 0 then hosts without waiting for every client), and every waiting rank, on any node, stops
 within a poll naming it (:func:`check_abandoned`). A sibling on the same host that exits without a word (a crash)
-is seen by the census of :class:`omnitron.core.training.workers._LocalSiblings`.
+is seen by the census of :class:`omnitron.core.training.workers._LocalSiblings`; a rank on any node that dies
+without a word, by the peer holding its lifeline (:mod:`omnitron.core.training.lifeline`), which posts it here.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ import os
 FIRST_KEY = "failed/first"
 """The store key holding the rank that failed first before joining (set once, by compare-and-set)."""
 ANNOUNCE_TIMEOUT_S = 5.0
-"""How long a refused rank tries to reach the store to post its line (a courtesy: its own stderr line stands)."""
+"""How long a refused rank tries to reach the store to post its line (a courtesy: its own stderr line stands; rank
+0's store, where it hosts one, may not be up yet)."""
 
 
 def attempt() -> int:
@@ -38,20 +41,39 @@ class PeerNeverJoined(RuntimeError):
     rank's fault (``peer`` in :func:`omnitron.core.training.failures.classify`)."""
 
 
-def announce_failure(rank: int, line: str) -> None:
-    """Post ``line`` as rank ``rank``'s reason for never joining, in the store torchrun's agent hosts
-    (``TORCHELASTIC_USE_AGENT_STORE``); nothing elsewhere (rank 0 hosts the store outside torchrun's agent, and
-    ``--nproc-per-node`` checks settings in its launcher, before any worker starts)."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_PORT" not in os.environ:
-        return
+def job_store(timeout_s: float, rank: int | None = None):
+    """A client of a torchrun job's store, with this attempt's key prefix: the one torchrun's agent hosts
+    (``TORCHELASTIC_USE_AGENT_STORE=True``, the default of its static and c10d rendezvous: up whatever rank failed),
+    or rank 0's where the agent leaves the store to it (``False``: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, etcd);
+    the client waits up to ``timeout_s`` for the store to be up. None outside torchrun (``--nproc-per-node`` checks
+    settings in its launcher, before any worker starts), and for rank ``rank`` 0 where it would host the store
+    (refused before it did, there is none to post to)."""
+    where = os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
+    if where not in ("True", "False") or "MASTER_PORT" not in os.environ or (where == "False" and rank == 0):
+        return None
     import torch.distributed as dist
 
-    try:
-        store = prefixed(dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                       int(os.environ.get("WORLD_SIZE", "1")), False,
-                                       datetime.timedelta(seconds=ANNOUNCE_TIMEOUT_S)))
+    return prefixed(dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  int(os.environ.get("WORLD_SIZE", "1")), False, datetime.timedelta(seconds=timeout_s)))
+
+
+def post_failure(store, rank: int, line: str, own: bool = True) -> None:
+    """``line`` as rank ``rank``'s reason for never joining (``own=False``: a peer's account of it, kept only where the
+    rank posted none), and ``rank`` as the first failure where none is posted yet (later ones may be reactions)."""
+    if own:
         store.set(f"failed/{rank}", line)
-        store.compare_set(FIRST_KEY, "", str(rank))  # the first one only: later ones may be reactions
+    else:
+        store.compare_set(f"failed/{rank}", "", line)
+    store.compare_set(FIRST_KEY, "", str(rank))
+
+
+def announce_failure(rank: int, line: str) -> None:
+    """Post ``line`` as rank ``rank``'s reason for never joining, in the job's store (:func:`job_store`; rank 0's
+    one, hosted by a rank that is not up within ANNOUNCE_TIMEOUT_S, misses it: its join wait applies)."""
+    try:
+        store = job_store(ANNOUNCE_TIMEOUT_S, rank)
+        if store is not None:
+            post_failure(store, rank, line)
     except Exception:  # noqa: BLE001  the store is gone or unreachable: the peers' own waits and signals apply
         pass
 

@@ -25,7 +25,7 @@ import tempfile
 import time
 
 from omnitron.core.lifetime import die_with, die_with_parent
-from omnitron.core.training import agreement, failures
+from omnitron.core.training import agreement, failures, lifeline
 from omnitron.core.training.failures import command_name, rank_list
 from omnitron.core.training.prejoin import prefixed
 from omnitron.core.training.watchdog import Watchdog, collective_timeout_s, distributed_timeout_s, heartbeat_interval
@@ -67,8 +67,10 @@ def open_store(timeout_s: float, is_master: bool):
     import torch.distributed as dist
 
     wait = datetime.timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S))
+    # NOTE: the host does not wait for every rank to connect: its join's wait does, and stops on a peer's failure
+    # (rank 0 hosting under torchrun without the agent's store waited 300 s here for a refused peer)
     base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-                         is_master, wait, multi_tenant=is_master)
+                         is_master, wait, multi_tenant=is_master, wait_for_workers=not is_master)
     return prefixed(base)
 
 
@@ -81,6 +83,7 @@ def join_job(settings, backend) -> Watchdog:
     """Store, process group and watchdog of this rank (``RANK``/``WORLD_SIZE``/``MASTER_*`` from the launcher)."""
     timeout = distributed_timeout_s(settings.training.distributed_timeout_minutes)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    lifeline.hold()  # (once: omnitron train holds it from its start) a death before joining is seen on every node
     store = open_store(timeout, is_master=rank == 0 and not _store_hosted_elsewhere())
     lg = getattr(settings, "logging", None)
     if rank == 0:  # before it arrives: every rank can read it once all have arrived
@@ -96,6 +99,7 @@ def join_job(settings, backend) -> Watchdog:
     agreement.agreed(store, rank, world, settings, max(timeout, JOIN_TIMEOUT_S), backend)
     backend.collectives.init_process_group(rank=rank, world_size=world, timeout_s=collective_timeout_s(timeout),
                                            store=store, group_deadline_s=timeout)
+    lifeline.release()  # joined: the watchdog watches the peers from here
     return Watchdog(rank, world, timeout, lambda: open_store(timeout, is_master=False)).start()
 
 
@@ -166,7 +170,8 @@ def _wait_for_arrivals(store, world: int, timeout: float) -> None:
     naming the ranks that never came. Under torchrun, whose agent does not watch for freezes, the ranks on this
     host that have not arrived are checked once a second as the launcher does (:class:`StartupWatch`): one frozen
     in start-up stops this rank in one line naming it (torchrun then stops the others), and so does one that exited
-    (:class:`_LocalSiblings`); a rank refused before joining, on any node, ends the wait within a poll
+    (:class:`_LocalSiblings`); a rank refused before joining, or dead before joining (its lifeline's watcher
+    posts it: :mod:`omnitron.core.training.lifeline`), on any node, ends the wait within a poll
     (:func:`prejoin.check_abandoned`)."""
     from omnitron.core.training.nonfinite import TrainingStopped
     from omnitron.core.training.prejoin import check_abandoned
