@@ -237,17 +237,18 @@ def _layer_routed(settings, cfg, rates, moe: bool, share) -> StageCost:
 
 
 def _layer_cached(settings, cfg, rates, moe: bool, row: int | None = None) -> StageCost:
-    """:func:`_layer`, kept in ``rates.memo`` across the layouts of a search on an accelerator (a layer's cost there
-    depends on the model, tp, cp and its comm type, ep, SP and the micro-batch only; on a CPU also on the cores'
-    sharing: not kept)."""
-    if rates.device_type == "cpu":
-        return _layer(settings, cfg, rates, moe, row)
+    """:func:`_layer`, kept in ``rates.memo`` across the layouts of a search (a layer's cost depends on the model, tp,
+    cp and its comm type, ep, SP and the micro-batch only; on a CPU also on the cores' sharing: the rank's threads,
+    the measured slowdowns at the layout's busy threads, and every rank's threads, which scale the collectives)."""
     pc = settings.parallel
+    host = None
+    if rates.device_type == "cpu":
+        host = (_threads(settings, rates), _threads(settings, rates, "host_stream"), rates.host_ranks)
     key = ("layer", repr(replace(cfg, recompute_granularity=None, recompute_method=None, recompute_num_layers=None)),
            pc.tensor_model_parallel_size, pc.context_parallel_size, pc.cp_comm_type,
            tuple(pc.hierarchical_context_parallel_sizes or ()), pc.sequence_parallel, pc.expert_model_parallel_size,
            pc.etp, settings.training.micro_batch_size, moe, getattr(getattr(rates, "expert_load", None), "key", None),
-           row, repr(settings.fp8))
+           row, repr(settings.fp8), host)
     if key not in rates.memo:
         rates.memo[key] = _layer(settings, cfg, rates, moe, row)
     return rates.memo[key]
