@@ -145,7 +145,14 @@ class Rates:
         return table[near], threads / near
 
     def gemm_s(self, dtype: str, m: int, n: int, k: int, threads: int = 1) -> float:
-        """Seconds of one ``[m,k] @ [k,n]`` GEMM in ``dtype`` (``fp32``, ``bf16``, ...)."""
+        """Seconds of one ``[m,k] @ [k,n]`` GEMM in ``dtype`` (``fp32``, ``bf16``, ...); kept in :attr:`memo` (a
+        search asks for the same few shapes thousands of times; the rows never change after loading)."""
+        key = ("gemm_s", dtype, m, n, k, threads)
+        if key not in self.memo:
+            self.memo[key] = self._gemm_s(dtype, m, n, k, threads)
+        return self.memo[key]
+
+    def _gemm_s(self, dtype: str, m: int, n: int, k: int, threads: int) -> float:
         rows, f = self._pick(self.gemm, threads, "gemm")
         mine = [r for r in rows if r["dtype"] == _GEMM_ROWS.get(dtype, dtype)]
         if not mine:
@@ -255,9 +262,16 @@ class Rates:
     def comm_s(self, op: str, nbytes: float, ranks: int, group: str | None = None) -> float:
         """Seconds of one ``op`` (all_reduce, all_gather, reduce_scatter, all_to_all, p2p) of ``nbytes`` over
         ``ranks`` ranks (``nbytes`` as the bench counts it: the buffer, the gathered output, the input). ``group``
-        (which of the layout's groups) is for hierarchical machines; one host's report prices every group alike."""
+        (which of the layout's groups) is for hierarchical machines; one host's report prices every group alike.
+        Kept in :attr:`memo` by what decides it (the host's sharing included)."""
         if ranks <= 1 or nbytes <= 0:
             return 0.0
+        key = ("comm_s", op, nbytes, ranks, self.host_ranks if self.device_type == "cpu" else None)
+        if key not in self.memo:
+            self.memo[key] = self._comm_s(op, nbytes, ranks)
+        return self.memo[key]
+
+    def _comm_s(self, op: str, nbytes: float, ranks: int) -> float:
         rows = [r for r in self.comm if r["op"] == op and r.get("group", "world") != "inter"]  # one host's links
         if not rows:
             raise ConfigError(f"--bench: no comm rows of {op}; run `omnitron bench comm --ops {op} ...` on the "

@@ -3,11 +3,13 @@ ranked by predicted tokens/s, the fastest that fit in device memory.
 
 The layouts searched: :mod:`omnitron.plan.layouts`.
 
-First the smallest need is found over the memory-minimal choice of every (tp, pp, cp) (the smallest micro-batch,
-no vpp, recomputation and the distributed optimizer on; the walk stops at the first that fits): when even that
-does not fit, the error names it. Else
-the candidates are ranked by predicted tokens/s (:func:`omnitron.plan.speed.predict`) and memory is checked
-fastest first (:func:`omnitron.plan.memory.estimate`, every stage must fit) until ``top`` fit. A device-profile
+First the memory-minimal choice of every (tp, pp, cp) (the smallest micro-batch, no vpp, recomputation and the
+distributed optimizer on) is checked, least state first, until one fits (:func:`_some_fits`): when none does, the
+error names the smallest need (:func:`_smallest`). Else
+the candidates are ranked by predicted tokens/s (:func:`omnitron.plan.speed.predict`, each priced only when its step
+lower bound lets it reach the front: :func:`_fastest_first`) and memory is checked fastest first
+(:func:`omnitron.plan.memory.estimate`, every stage must fit; the transient probes only where the estimate without
+them leaves room) until ``top`` fit. A device-profile
 search (``cluster``, :func:`_bounded`) screens a layout that would enter the list with the estimate without
 backward's transient probes (less its rematerialised chunk: a lower bound, :func:`_floor`) and prices it with them:
 every layout listed fits by the full memory model, as ``--layout`` prices it.
@@ -60,7 +62,6 @@ def recommend(given: dict, devices: int, memory: int, rates, overlap: str = "non
     transients included). ``cluster``: devices per node of a device-profile search (:func:`candidates`,
     :func:`_bounded`)."""
     from omnitron.plan.memory import check_family, estimate
-    from omnitron.plan.speed import predict
 
     if devices < 1:
         raise ConfigError(f"--devices must be >= 1, got {devices}")
@@ -75,7 +76,7 @@ def recommend(given: dict, devices: int, memory: int, rates, overlap: str = "non
     if not cands:
         raise ConfigError(f"no layout of {given.get('model') or 'the model'} divides {devices} devices: tp must "
                           "divide the heads and query groups, pp the layers, dp x micro-batch the global batch")
-    if full:
+    if full and not _some_fits(given, devices, memory, load):
         smallest = _smallest(given, devices, load=load, enough=memory)
         if smallest.peak > memory:
             raise ConfigError(_no_fit(smallest, memory))
@@ -85,17 +86,63 @@ def recommend(given: dict, devices: int, memory: int, rates, overlap: str = "non
             raise ConfigError(_no_fit(_smallest(given, devices, full, cluster, load, getattr(rates, "profile", None)),
                                       memory))
         return fit
-    for c in cands:
-        c.step = predict(c.settings, rates, overlap)
-    cands.sort(key=lambda c: -c.step.tokens_per_s)
-    fit = []
-    for c in cands:
-        c.stages = estimate(c.settings, load=load, device=getattr(rates, "profile", None))
+    fit, device = [], getattr(rates, "profile", None)
+    for c in _fastest_first(cands, rates, overlap):
+        c.stages = estimate(c.settings, transients=False, load=load, device=device)
+        if _floor(c, load) <= memory:  # it may fit: priced with backward's transients (else its floor is over)
+            c.stages = estimate(c.settings, load=load, device=device)
         if c.peak <= memory:
             fit.append(c)
             if len(fit) == top:
                 break
     return fit
+
+
+def _some_fits(given: dict, devices: int, memory: int, load) -> bool:
+    """Whether a memory-minimal candidate (:func:`_smallest`'s) fits ``memory`` by the full estimate: the up-front
+    check of :func:`recommend` without ranking them all. They are tried least parameter and optimizer state first
+    (:func:`state_lower_bound`: the most sharded, usually the first to fit), each probed with backward's transients
+    only where its estimate without them leaves room (:func:`_floor`); False when none fits (then
+    :func:`_smallest` names the least need)."""
+    from omnitron.plan.memory import estimate
+
+    cands = candidates(given, devices, minimal=True)
+    for c in sorted(cands, key=lambda c: state_lower_bound(c.settings)):  # sorted is stable: ties keep their order
+        if state_lower_bound(c.settings) > memory:
+            break
+        c.stages = estimate(c.settings, transients=False, load=load)
+        if _floor(c, load) <= memory:
+            c.stages = estimate(c.settings, load=load)
+            if c.peak <= memory:
+                return True
+    return False
+
+
+def _fastest_first(cands: list[Choice], rates, overlap: str):
+    """``cands`` by predicted tokens/s, fastest first (ties: in the given order), each priced
+    (:func:`omnitron.plan.speed.predict`, ``c.step``) only when the walk comes near it: a candidate is handed out
+    once its tokens/s beats, strictly, what every unpriced one's step lower bound
+    (:func:`omnitron.plan.speed.step_lower_bound`) allows, so the order is the full sort's and a search that stops
+    after a few fitting layouts prices a few hundred of thousands."""
+    import heapq
+
+    from omnitron.plan.speed import predict, step_lower_bound
+
+    order = [(step_lower_bound(c.settings, rates, overlap), i) for i, c in enumerate(cands)]
+    heapq.heapify(order)
+    priced: list[tuple[float, int]] = []  # (-tokens/s, index)
+    while order or priced:
+        while order and (not priced or -priced[0][0] <= _speed_limit(cands[order[0][1]], order[0][0])):
+            _, i = heapq.heappop(order)
+            cands[i].step = predict(cands[i].settings, rates, overlap)
+            heapq.heappush(priced, (-cands[i].step.tokens_per_s, i))
+        yield cands[heapq.heappop(priced)[1]]
+
+
+def _speed_limit(c: Choice, bound: float) -> float:
+    """The most tokens/s ``c`` can reach with a step no shorter than ``bound`` seconds."""
+    tokens = c.settings.training.global_batch_size * c.settings.model.seq_length
+    return tokens / bound if bound > 0 else float("inf")
 
 
 @collector_paused()

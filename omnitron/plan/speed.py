@@ -23,8 +23,9 @@ attention is its ring's steps,
    the later chunks' behind the earlier chunks' cool-down, the expert gradients' after the rank's last backward;
    :mod:`omnitron.plan.dp_overlap`); ``all`` also hides
    the distributed optimizer's parameter all-gather behind the next step's forward, layer by layer
-   (``--overlap-param-gather``), and tp / cp / pp communication behind the compute it runs beside (a stage's
-   cost is ``max(compute, communication)``).
+   (``--overlap-param-gather``), and the communication the engine runs beside compute (:data:`HIDDEN`: the cp
+   ring's hops, pipeline sends) behind it: a stage's cost is ``max(compute + tp + ep, cp + pp)``; tensor-parallel
+   collectives and expert all-to-alls are waited where issued, as the engine runs them.
 5. **Shared cores** (CPU reports): every rank of the layout runs on one host of the report's
    ``cpu_count`` cores, with ``omnitron train``'s intra-op threads (cores / ranks, at least 1). The GEMM /
    attention rows measured at that thread count are used; each rank's work is slowed by what the comm
@@ -72,6 +73,14 @@ from omnitron.plan.state import expert_data_parallel_size
 
 OVERLAPS = ("none", "dp", "all")
 KEYS = ("compute", "elementwise", "host", "tp", "cp", "pp", "ep")
+HIDDEN = ("pp",)
+"""The communication the engine runs beside compute, hidden under ``--assume-overlap all``, with the context-parallel
+ring's hops (:attr:`StageCost.ring`: each posted before the blocks it computes meanwhile) and a pipeline send (posted with the next exchange,
+waited only at the one after, its next action's work in between; its receiver still waits, :meth:`StageCost.lag`).
+The tensor-parallel collectives (no userbuffers overlap: Megatron's ``--tp-comm-overlap`` is accepted and not run)
+and the experts' all-to-alls (each waited where it is issued; under ``--overlap-moe-expert-parallel-comm`` a combined
+pair's hide behind the other pass: :func:`pair_credit`) stay on the critical path: tests/sim/test_sim_plan_overlap.py
+counts the GEMMs a real step on ``sim`` issues while each collective is in flight."""
 _DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -84,26 +93,43 @@ class StageCost:
     attention_f: float = 0.0
     """One layer's core-attention forward (what selective recomputation repeats)."""
     attention_ew_f: float = 0.0
+    ring: dict[str, float] = field(default_factory=lambda: {"F": 0.0, "B": 0.0})
+    """The part of ``cp`` (per pass) the engine runs beside the ring's blocks: its point-to-point hops, less the
+    backward's last (the key/value gradients taken home after the last block); ``--cp-comm-type`` a2a's and
+    allgather's collectives are waited where issued."""
     """The element-wise part of that forward priced apart (the probabilities' dropout): repeated with it."""
     host_async: bool = False
     """The host's fixed costs run ahead of an asynchronous device (an accelerator) instead of adding to it."""
 
     def _parts(self, kind: str) -> tuple[float, float, float]:
+        """(the pass's work, all its communication, its pipeline send)."""
         d = self.f if kind == "F" else self.b
         dev = d["compute"] + d["elementwise"]
         work = max(dev, d["host"]) if self.host_async else dev + d["host"]
         return work, d["tp"] + d["cp"] + d["pp"] + d["ep"], d["pp"]
 
-    def total(self, kind: str, overlap: str) -> float:
+    def _hidden(self, kind: str) -> tuple[float, float]:
+        """Under ``all``: (the pass's work with the communication the engine waits for where it issues it, the
+        communication it runs beside that work: :data:`HIDDEN`)."""
         work, comm, _ = self._parts(kind)
-        return max(work, comm) if overlap == "all" else work + comm
+        d = self.f if kind == "F" else self.b
+        beside = sum(d[k] for k in HIDDEN) + self.ring[kind]
+        return work + comm - beside, beside
+
+    def total(self, kind: str, overlap: str) -> float:
+        if overlap != "all":
+            work, comm, _ = self._parts(kind)
+            return work + comm
+        exposed, beside = self._hidden(kind)
+        return max(exposed, beside)
 
     def lag(self, kind: str) -> float:
         """Under ``all``: seconds from the end of this pass (:meth:`total`) until its pipeline message is at the
         next (F) / previous (B) stage. The send starts when the work ends and takes its ``pp`` time; the part of
-        it that already ran inside the pass (the pass's communication beyond its work) is not waited for twice."""
-        work, comm, pp = self._parts(kind)
-        return max(0.0, pp - max(0.0, comm - work))
+        it that already ran inside the pass (the hidden communication beyond the pass's exposed work) is not
+        waited for twice."""
+        exposed, beside = self._hidden(kind)
+        return max(0.0, self._parts(kind)[2] - max(0.0, beside - exposed))
 
 
 @dataclass
@@ -220,6 +246,10 @@ def _layer_routed(settings, cfg, rates, moe: bool, share) -> StageCost:
     c.f["compute"], c.b["compute"] = gemm + attn / 3, 2 * gemm + 2 * attn / 3
     c.f["cp"] = sum(rates.comm_s(op, n, k, group=g) for op, n, k, g in cpw.fwd)
     c.b["cp"] = sum(rates.comm_s(op, n, k, group=g) for op, n, k, g in cpw.bwd)
+    # the ring's hops run beside its blocks, but the backward's last (each key/value gradient taken home) after them
+    hops = {kind: [rates.comm_s(op, n, k, group=g) for op, n, k, g in rows if op == "p2p"]
+            for kind, rows in (("F", cpw.fwd), ("B", cpw.bwd))}
+    c.ring = {"F": sum(hops["F"]), "B": sum(hops["B"][:-1])}
     bias = work.bias_passes(cfg, x, [g for g in gemms if g[0] != "router"])
     c.f["elementwise"] = sum(rates.elementwise_s(op, "fwd", n, threads)
                              for op, n in ew + ring_f + bias + cast_f) * stream
@@ -237,17 +267,18 @@ def _layer_routed(settings, cfg, rates, moe: bool, share) -> StageCost:
 
 
 def _layer_cached(settings, cfg, rates, moe: bool, row: int | None = None) -> StageCost:
-    """:func:`_layer`, kept in ``rates.memo`` across the layouts of a search on an accelerator (a layer's cost there
-    depends on the model, tp, cp and its comm type, ep, SP and the micro-batch only; on a CPU also on the cores'
-    sharing: not kept)."""
-    if rates.device_type == "cpu":
-        return _layer(settings, cfg, rates, moe, row)
+    """:func:`_layer`, kept in ``rates.memo`` across the layouts of a search (a layer's cost depends on the model, tp,
+    cp and its comm type, ep, SP and the micro-batch only; on a CPU also on the cores' sharing: the rank's threads,
+    the measured slowdowns at the layout's busy threads, and every rank's threads, which scale the collectives)."""
     pc = settings.parallel
+    host = None
+    if rates.device_type == "cpu":
+        host = (_threads(settings, rates), _threads(settings, rates, "host_stream"), rates.host_ranks)
     key = ("layer", repr(replace(cfg, recompute_granularity=None, recompute_method=None, recompute_num_layers=None)),
            pc.tensor_model_parallel_size, pc.context_parallel_size, pc.cp_comm_type,
            tuple(pc.hierarchical_context_parallel_sizes or ()), pc.sequence_parallel, pc.expert_model_parallel_size,
            pc.etp, settings.training.micro_batch_size, moe, getattr(getattr(rates, "expert_load", None), "key", None),
-           row, repr(settings.fp8))
+           row, repr(settings.fp8), host)
     if key not in rates.memo:
         rates.memo[key] = _layer(settings, cfg, rates, moe, row)
     return rates.memo[key]
@@ -323,6 +354,8 @@ def stage_cost(settings, cfg, rates, layers: list[bool], first: bool, last: bool
             c.b[key] += one.b[key]
             if i < rec:  # full recomputation: this layer's forward again, before its backward
                 c.b[key] += one.f[key]
+        c.ring = {"F": c.ring["F"] + one.ring["F"],
+                  "B": c.ring["B"] + one.ring["B"] + (one.ring["F"] if i < rec else 0.0)}
         if cfg.recompute_granularity == "selective":  # core attention again, its dropout included
             c.b["compute"] += one.attention_f
             c.b["elementwise"] += one.attention_ew_f
@@ -452,11 +485,8 @@ def pair_credit(costs: dict[int, StageCost], overlap: str):
     runs in less than its forward and backward one after the other: each pass's expert-parallel all-to-alls run
     while the other pass computes (Megatron's combined 1F1B: the two hand over at every all-to-all,
     ``core/transformer/moe/overlap.py``), so of the forward's all-to-all time ``a_f`` the part that fits in the
-    backward's work ``w_b`` is hidden, and likewise the backward's: ``min(a_f, w_b) + min(a_b, w_f)``. None under
-    ``--assume-overlap all``, where every pass's communication is already hidden behind its own work."""
-    if overlap == "all":
-        return None
-
+    backward's work ``w_b`` is hidden, and likewise the backward's: ``min(a_f, w_b) + min(a_b, w_f)`` (under every
+    ``--assume-overlap``: a pass's all-to-alls are never hidden behind its own work, :data:`HIDDEN`)."""
     def credit(f: int, b: int) -> float:
         fw, bw = costs[f]._parts("F")[0], costs[b]._parts("B")[0]
         return min(costs[f].f["ep"], bw) + min(costs[b].b["ep"], fw)
@@ -564,8 +594,10 @@ def predict(settings, rates, overlap: str = "none") -> StepTime:
         parts["ep"] -= sum(min(credit(sched.stage(crit, t[i].chunk), sched.stage(crit, t[i + 1].chunk)),
                                costs[sched.stage(crit, t[i + 1].chunk)].total("B", overlap))
                            for i in sched.pairs.get(crit, ()))
-    if overlap == "all":  # hidden communication: what exceeds the compute beside it is charged to compute
-        parts.update(compute=busy[crit] - parts["elementwise"] - parts["host"], tp=0.0, cp=0.0, pp=0.0, ep=0.0)
+    if overlap == "all":  # hidden communication: what exceeds the exposed work beside it is charged to compute
+        parts["cp"] -= m * sum(sc.ring["F"] + sc.ring["B"] for sc in per_rank[crit])
+        parts.update(compute=busy[crit] - parts["elementwise"] - parts["host"] - parts["tp"] - parts["ep"] -
+                     parts["cp"], **dict.fromkeys(HIDDEN, 0.0))
     held = {r: [x for c in range(vp) for x in layers[(r, c)]] for r in range(pp)}
     # a rank's parameters and gradient buckets depend on its layers and on whether it holds the embedding or the head
     alike, own, head = {}, {}, _head_rank(settings)
@@ -645,8 +677,10 @@ def assumptions(settings, rates, overlap: str) -> list[str]:
     what = {"none": "every communication on the critical path",
             "dp": "dp gradient reduction hidden behind the backward after each chunk's last one, bucket by bucket; "
                   "the experts' after the rank's last backward",
-            "all": "all communication hidden behind compute where shorter (a pipeline message still reaches its "
-                   "receiver a transfer later); parameter all-gather behind the next forward"}
+            "all": "pipeline sends and context-parallel ring hops hidden behind compute where shorter (a pipeline "
+                   "message still reaches its receiver a transfer later); parameter all-gather behind the next "
+                   "forward; tensor-parallel collectives and expert all-to-alls on the critical path, as the engine "
+                   "waits for them"}
     out = [f"overlap: {overlap} ({what[overlap]})"] + ([fp8.describe(settings)] if settings.fp8 is not None else [])
     if getattr(settings.model, "num_experts", None):
         from omnitron.plan.memory import model_config
@@ -657,7 +691,7 @@ def assumptions(settings, rates, overlap: str) -> list[str]:
         out.append(f"cores: {settings.world_size} rank(s) x {threads} thread(s) on {rates.cpu_count} cores: "
                    f"compute slowed x{slow:.2f}, collectives likewise beyond their measurement's sharing "
                    "(time-shared cores)")
-    if getattr(settings.parallel, "overlap_moe_expert_parallel_comm", False) and overlap != "all":
+    if getattr(settings.parallel, "overlap_moe_expert_parallel_comm", False):
         out.append("--overlap-moe-expert-parallel-comm: the combined 1F1B table; in each forward/backward pair the "
                    "all-to-alls of one pass hidden behind the other pass's work where shorter")
     out.append("not modelled: data loading, host overheads outside the layers, the loss and grad-norm reductions")
