@@ -19,7 +19,12 @@
 // in wait_cycle.cpp: one thread issues a rank's collectives on the sim device (a second thread issuing the awaited
 // collective while the first is blocked would make a report false). A wait that is not blocked for kQuiet costs
 // no store traffic; a collective costs one counter update. A member that released the group (destroy_process_group)
-// before issuing the collective waited on is reported at the next search too (its release bumps the version).
+// before issuing the collective waited on is reported at the next search too (its release bumps the version); the
+// last member to release deletes the group's records, and a group made again under the same name (new_group(...,
+// use_local_synchronization=True) names a group by its ranks) is another group here: its store and name carry its
+// incarnation (omnitron/backends/sim/device.py), so it never reads the destroyed one's records. A report found by
+// one rank and told to the others names the group and the collective stuck there: a told rank raises it from a
+// wait on that collective or a later one of that group only (on NCCL it hangs there, and nowhere else).
 #include "comm.h"
 
 #include <algorithm>
@@ -45,6 +50,22 @@ std::string peek(c10d::Store& store, const std::string& key) {  // the value, or
 std::string record_key(int global) { return "simccl/cwait/" + std::to_string(global); }
 std::string member_key(int rank) { return "simccl/global_rank/" + std::to_string(rank); }
 std::string released_key(int rank) { return "simccl/released/" + std::to_string(rank); }
+const char kReleasesKey[] = "simccl/releases";  // in the group's store: how many members released it
+// A report told to rank ``global`` about ``group``'s collectives from the ``k``-th on: "<k>\t<report>".
+std::string told_key(int global, const std::string& group) {
+  return "simccl/cdeadlock/" + std::to_string(global) + "/" + group;
+}
+int64_t told_from(const std::string& told) {  // the first collective a told report concerns; -1: none told
+  auto tab = told.find('\t');
+  return tab == std::string::npos ? -1 : std::stoll(told.substr(0, tab));
+}
+
+// Tell ``report`` to rank ``global`` about ``group``'s collectives from the ``k``-th on, unless an earlier one of
+// the group was told already (two of a group's collectives stuck on one device: the first is where it hangs).
+void tell_one(c10d::Store& job, int global, const std::string& group, int64_t k, const std::string& report) {
+  int64_t was = told_from(peek(job, told_key(global, group)));
+  if (was < 0 || k < was) job.set(told_key(global, group), bytes(std::to_string(k) + '\t' + report));
+}
 
 std::mutex g_issued_mutex;
 std::map<std::string, int64_t> g_issued;  // this process's collectives issued per group
@@ -152,14 +173,27 @@ void publish_member(c10d::Store& group_store, int rank, int global) {
   group_store.set(member_key(rank), bytes(std::to_string(global)));
 }
 
-void publish_released(const c10::intrusive_ptr<c10d::Store>& group_store, int rank, int64_t issued) {
+void publish_released(const c10::intrusive_ptr<c10d::Store>& group_store, const std::string& group, int rank, int size,
+                      int global, int64_t issued) {
   group_store->set(released_key(rank), bytes(std::to_string(issued)));
-  job_store(group_store)->add(kVersionKey, 1);  // a blocked member's next poll searches, and sees it
+  {
+    std::lock_guard<std::mutex> lock(g_issued_mutex);
+    g_issued.erase(group);  // no wait in this process follows the group's count again
+  }
+  auto job = job_store(group_store);
+  job->deleteKey(told_key(global, group));  // told and never raised: no wait on the group is left to raise it
+  job->add(kVersionKey, 1);  // a blocked member's next poll searches, and sees it
+  if (group_store->add(kReleasesKey, 1) < size) return;
+  for (int i = 0; i < size; ++i) {  // the last to release: no member waits on the group, none reads these again
+    group_store->deleteKey(released_key(i));
+    group_store->deleteKey(member_key(i));
+  }
+  group_store->deleteKey(kReleasesKey);
 }
 
-CollectiveWait::CollectiveWait(c10::intrusive_ptr<c10d::Store> group_store, std::string group, int size, int global,
-                               int64_t k, std::string op)
-    : group_store_(std::move(group_store)), group_(std::move(group)), op_(std::move(op)), size_(size),
+CollectiveWait::CollectiveWait(c10::intrusive_ptr<c10d::Store> group_store, std::string group, int rank, int size,
+                               int global, int64_t k, std::string op)
+    : group_store_(std::move(group_store)), group_(std::move(group)), op_(std::move(op)), rank_(rank), size_(size),
       global_(global), k_(k) {}
 
 std::string CollectiveWait::poll() {
@@ -172,11 +206,7 @@ std::string CollectiveWait::poll() {
   if (now - since_ < kQuiet || now - searched_ < pace_.interval) return "";
   searched_ = now;
   if (!store_) store_ = job_store(group_store_);
-  std::string told = peek(*store_, deadlock_key(global_));
-  if (told != kAbsent && !told.empty()) {
-    store_->deleteKey(deadlock_key(global_));
-    return told;
-  }
+  if (std::string report = told(); !report.empty()) return report;
   if (record_.empty() && !publish()) return "";
   if (!pace_.due(store_->add(kVersionKey, 0))) return "";  // no record changed since the last search began
   if (std::string gone = released_member(); !gone.empty()) return gone;
@@ -186,18 +216,23 @@ std::string CollectiveWait::poll() {
   for (int r : cycle)  // pass 2: every rank still in the same wait
     if (r != global_ && peek(*store_, record_key(r)) != records[r].raw) return "";
   std::string report = describe(cycle, records);
-  std::vector<int> told_ranks;
-  for (int r : cycle)
+  for (int r : cycle)  // every member of the cycle's groups: on NCCL they hang at the collective waited on there
     for (int m : records[r].members)
-      if (m != global_ && std::find(told_ranks.begin(), told_ranks.end(), m) == told_ranks.end()) {
-        told_ranks.push_back(m);  // every member of the cycle's groups: on NCCL they hang at their next one
-        store_->set(deadlock_key(m), bytes(report));
-      }
+      if (m != global_) tell_one(*store_, m, records[r].group, records[r].k, report);
   return report;
+}
+
+std::string CollectiveWait::told() const {
+  std::string told = peek(*store_, told_key(global_, group_));
+  int64_t from = told_from(told);
+  if (from < 0 || k_ < from) return "";  // none told, or this wait is before the stuck collective: it may complete
+  store_->deleteKey(told_key(global_, group_));
+  return told.substr(told.find('\t') + 1);
 }
 
 std::string CollectiveWait::released_member() const {
   for (int i = 0; i < size_; ++i) {
+    if (i == rank_) continue;  // this rank waits: it released nothing
     std::string issued = peek(*group_store_, released_key(i));
     if (issued == kAbsent || issued.empty() || std::stoll(issued) >= k_) continue;
     std::ostringstream os;
@@ -242,10 +277,8 @@ void CollectiveWait::tell(const std::string& report) const {
   auto store = job_store(group_store_);  // not store_: poll() may be setting it on the waiting thread
   for (int i = 0; i < size_; ++i) {
     std::string g = peek(*group_store_, member_key(i));
-    if (g != kAbsent && !g.empty() && std::stoi(g) != global_) store->set(deadlock_key(std::stoi(g)), bytes(report));
+    if (g != kAbsent && !g.empty() && std::stoi(g) != global_) tell_one(*store, std::stoi(g), group_, k_, report);
   }
 }
-
-std::string CollectiveWait::deadlock_key(int global) { return "simccl/cdeadlock/" + std::to_string(global); }
 
 }  // namespace sim

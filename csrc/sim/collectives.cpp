@@ -61,13 +61,14 @@ using PeerTag = std::pair<int, int>;
 class SimCollectives final : public c10d::Backend {
  public:
   SimCollectives(c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::Backend> gloo, bool sync_returns_none,
-                 int global_rank)
+                 int global_rank, int64_t incarnation)
       : c10d::Backend(gloo->getRank(), gloo->getSize()),
         store_(std::move(store)),
         gloo_(std::move(gloo)),
         sync_returns_none_(sync_returns_none),
         comm_stream_(kFirstComm + g_next_comm_stream.fetch_add(1) % kCommStreams),
-        global_rank_(global_rank < 0 ? getRank() : global_rank) {
+        global_rank_(global_rank < 0 ? getRank() : global_rank),
+        incarnation_(incarnation) {
     g_live_communicators.fetch_add(1);
     if (getSize() > 1) publish_member(*store_, getRank(), global_rank_);  // read by blocked waits' records
   }
@@ -77,6 +78,13 @@ class SimCollectives final : public c10d::Backend {
   }
 
   const std::string getBackendName() const override { return "simccl"; }
+
+  // The group's name, and which of the groups made under that name in this process it is when not the first
+  // (new_group(..., use_local_synchronization=True) names a group by its ranks: destroyed and made again, the name
+  // repeats; every member counts the same). Names the group in messages and in the records of blocked waits.
+  std::string group() const {
+    return incarnation_ > 1 ? group_name(*this) + " #" + std::to_string(incarnation_) : group_name(*this);
+  }
 
   // destroy_process_group calls this on every group: the last communicator to go joins the device threads.
   // A cycle the end-of-job check finds (flush_cycles) raises here, once the communicator is released.
@@ -340,7 +348,7 @@ class SimCollectives final : public c10d::Backend {
     auto item = std::make_shared<Item>();
     Site site = python_site_full();
     item->op = op;
-    item->group = group_name(*this);
+    item->group = group();
     int index = s.device < 0 ? current_device() : s.device;
     run_on_comm_stream(index, op, item, s);
     item->site = site.where;
@@ -394,8 +402,8 @@ class SimCollectives final : public c10d::Backend {
     last_ = item->describe();
     note_collective_issued(item->group, collectives_);
     if (getSize() > 1)
-      item->cwait = std::make_shared<CollectiveWait>(store_, item->group, getSize(), global_rank_, collectives_,
-                                                     item->describe());
+      item->cwait = std::make_shared<CollectiveWait>(store_, item->group, getRank(), getSize(), global_rank_,
+                                                     collectives_, item->describe());
     if (getSize() > 1 && (!site.engine || !counts.empty()) && strict_enabled()) {
       item->gloo = gloo_;
       item->key = std::string(item->op) + " #" + std::to_string(++checked_) + " " + detail;
@@ -494,12 +502,12 @@ class SimCollectives final : public c10d::Backend {
         all.peers[with] = {counts.first, counts.second, pq.sends, pq.recvs};
         pq.post(*store_, getRank(), with, {pq.sends, pq.recvs, batch, batch_site_});
         if (!report.empty()) continue;
-        report = pq.replay(*store_, group_name(*this), getRank(), with);
+        report = pq.replay(*store_, group(), getRank(), with);
         peer = with;
       }
       batch_ops_.clear();
       global_.pending.push_back(std::move(all));
-      global_.step(*store_, group_name(*this), getRank(), pair_queues_, false);  // the watchdog looks for cycles
+      global_.step(*store_, group(), getRank(), pair_queues_, false);  // the watchdog looks for cycles
     }
     watch(index);  // a deadlock the peer finds reaches this rank's communicator through the watchdog
     if (!report.empty()) fail_pair(index, peer, report);
@@ -534,7 +542,7 @@ class SimCollectives final : public c10d::Backend {
     if (!lock.owns_lock() || global_.pending.empty()) return;
     CycleReport found;
     try {
-      found = global_.step(*store_, group_name(*this), getRank(), pair_queues_, true);
+      found = global_.step(*store_, group(), getRank(), pair_queues_, true);
       for (int r = 0; r < getSize() && !found.report.empty(); ++r)
         if (r != getRank()) store_->set(deadlock_key(r), found.report);
     } catch (const std::exception&) {  // the store is gone: the job is ending
@@ -565,7 +573,7 @@ class SimCollectives final : public c10d::Backend {
         issued = collectives_;
       }
       try {
-        publish_released(store_, getRank(), issued);  // a member blocked on a later collective says so
+        publish_released(store_, group(), getRank(), getSize(), global_rank_, issued);  // a blocked member says so
       } catch (const std::exception&) {  // the store is gone: the job is ending
       }
     }
@@ -648,6 +656,7 @@ class SimCollectives final : public c10d::Backend {
   bool sync_returns_none_;
   int comm_stream_;  // this communicator's stream on each device (race.cpp's detector orders by it)
   int global_rank_;  // this rank in the job (the default group)
+  int64_t incarnation_;  // 1 for the first group made under its name in this process, 2 for the next (group())
   std::atomic<bool> released_{false}, watched_{false};
   int watched_device_ = 0;  // the device whose watchdog watches this communicator (watch)
   std::mutex p2p_mutex_;
@@ -670,9 +679,9 @@ class SimCollectives final : public c10d::Backend {
 
 c10::intrusive_ptr<c10d::Backend> collective_backend(c10::intrusive_ptr<c10d::Store> store,
                                                      c10::intrusive_ptr<c10d::Backend> gloo, bool sync_returns_none,
-                                                     int global_rank) {
+                                                     int global_rank, int64_t incarnation) {
   return c10::make_intrusive<SimCollectives>(counted_store(std::move(store)), std::move(gloo), sync_returns_none,
-                                             global_rank);
+                                             global_rank, incarnation);
 }
 
 }  // namespace sim

@@ -193,30 +193,36 @@ void note_collective_issued(const std::string& group, int64_t k);
 c10::intrusive_ptr<c10d::Store> job_store(c10::intrusive_ptr<c10d::Store> store);
 // Publish this rank's global rank (``global``) as member ``rank`` of the group whose store ``group_store`` is.
 void publish_member(c10d::Store& group_store, int rank, int global);
-// Member ``rank`` released the group (destroy_process_group, or the end of its process) after issuing ``issued`` of
-// its collectives: a member's wait() blocked on a later one of the group is then reported at its next search.
-void publish_released(const c10::intrusive_ptr<c10d::Store>& group_store, int rank, int64_t issued);
+// Member ``rank`` (``global`` in the job) of ``group`` (``size`` members) released it (destroy_process_group, or the
+// end of its process) after issuing ``issued`` of its collectives: a member's wait() blocked on a later one of the
+// group is then reported at its next search. A report told to this rank about the group and never raised is
+// dropped; the last member to release deletes the group's records (members, releases): none outlive the group.
+void publish_released(const c10::intrusive_ptr<c10d::Store>& group_store, const std::string& group, int rank, int size,
+                      int global, int64_t issued);
 // A wait() on the ``k``-th collective of a group (``size`` members; this rank ``global`` in the job): polled while
 // it is blocked, it publishes what it waits for after a while and looks for a cycle of such waits through groups.
 class CollectiveWait {
  public:
-  CollectiveWait(c10::intrusive_ptr<c10d::Store> group_store, std::string group, int size, int global, int64_t k,
-                 std::string op);
+  // ``rank``: this rank in the group (``size`` members).
+  CollectiveWait(c10::intrusive_ptr<c10d::Store> group_store, std::string group, int rank, int size, int global,
+                 int64_t k, std::string op);
   // At each poll of the blocked wait (the first starts the clock): "" or the report of a cycle through this rank,
-  // found here (by the cycle's lowest rank; the members of its groups told) or told by the rank that found it.
+  // found here (by the cycle's lowest rank; the members of its groups told) or told by the rank that found it
+  // about this wait's group at this wait's collective or an earlier one (never another group's).
   std::string poll();
   void leave();  // the wait is over: its record withdrawn
   // ``report`` (another check's, e.g. the deadlock bound's on this rank) told to every other member of the group,
-  // whose blocked wait() raises it at its next poll: on NCCL they hang behind this rank. Any thread.
+  // whose blocked wait() on this collective of the group or a later one raises it at its next poll: on NCCL they
+  // hang behind this rank there (and nowhere else). Any thread.
   void tell(const std::string& report) const;
 
  private:
   bool publish();  // false while a member has not published its global rank
   std::string released_member() const;  // "" or the report of a member that released the group before issuing k_
-  static std::string deadlock_key(int global);
+  std::string told() const;  // "" or a report told to this rank about this wait's collective (taken)
   c10::intrusive_ptr<c10d::Store> group_store_, store_;
   std::string group_, op_, record_;
-  int size_, global_;
+  int rank_, size_, global_;
   int64_t k_;
   bool started_ = false;
   std::chrono::steady_clock::time_point since_, searched_;

@@ -10,7 +10,7 @@
 namespace sim {
 c10::intrusive_ptr<c10d::Backend> collective_backend(c10::intrusive_ptr<c10d::Store> store,
                                                      c10::intrusive_ptr<c10d::Backend> gloo, bool sync_returns_none,
-                                                     int global_rank);
+                                                     int global_rank, int64_t incarnation);
 void set_site_hook(std::function<Site()> hook);
 }
 
@@ -110,7 +110,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     py::arg("sync_returns_none") = bool(SIM_OPTIONS_HAVE_ASYNC_OP));
   }, "The torch this extension was compiled against and the version-dependent paths compiled (compat.h).");
   m.def("collective_backend", &sim::collective_backend, py::arg("store"), py::arg("gloo"), py::arg("sync_returns_none") = false,
-        py::arg("global_rank") = -1,
+        py::arg("global_rank") = -1, py::arg("incarnation") = 1,
         "Wrap a gloo backend as the sim device's collectives (sync_returns_none: synchronous calls return no work; "
-        "global_rank: this rank in the job, -1 for the group's rank).");
+        "global_rank: this rank in the job, -1 for the group's rank; incarnation: 1 for the first group made under "
+        "its name in this process, n for the n-th, whose store must be that incarnation's own).");
 }

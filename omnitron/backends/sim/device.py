@@ -92,16 +92,25 @@ def load():
 def register_collectives(ext, dist_backend: str, device_type: str, sync_returns_none: bool = False) -> None:
     """Register ``dist_backend`` for ``device_type`` tensors: gloo on host staging copies (idempotent).
     ``sync_returns_none``: a synchronous call completes before it returns and returns no work (where the
-    build can tell one: ``ext.build_features()["sync_returns_none"]``)."""
+    build can tell one: ``ext.build_features()["sync_returns_none"]``). A group made again under a name this process
+    made before (``new_group(..., use_local_synchronization=True)`` names a group by its ranks) gets a store of its
+    own: gloo's rendezvous would read the destroyed group's addresses there and hang (plain gloo does), and simccl's
+    records of blocked waits and releases would be the destroyed group's (csrc/sim/collective_wait.cpp)."""
     import torch.distributed as dist
 
-    def create(store, rank, size, timeout):  # the store: where sends publish their order (csrc/sim/comm_check.cpp)
+    made: dict[str, int] = {}  # groups made under each name in this process
+
+    def create(opts, _options):  # opts.store: where sends publish their order (csrc/sim/comm_check.cpp)
+        rank, store = opts.group_rank, opts.store
         global_rank = dist.get_rank() if dist.is_initialized() else rank  # the default group's own: the job's rank
-        return ext.collective_backend(store, dist.ProcessGroupGloo(store, rank, size, timeout), sync_returns_none,
-                                      global_rank)
+        incarnation = made[opts.group_id] = made.get(opts.group_id, 0) + 1
+        if incarnation > 1:  # the name came back: a store of its own, not the destroyed group's keys
+            store = dist.PrefixStore(f"simccl#{incarnation}/", store)
+        gloo = dist.ProcessGroupGloo(store, rank, opts.group_size, opts.timeout)
+        return ext.collective_backend(store, gloo, sync_returns_none, global_rank, incarnation)
 
     if dist_backend.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(dist_backend, create, devices=[device_type])
+        dist.Backend.register_backend(dist_backend, create, extended_api=True, devices=[device_type])
 
 
 _ENGINE_LAYER = ("omnitron/backends/collectives.py", "omnitron/backends/flight.py", "omnitron/backends/staged.py")
