@@ -98,3 +98,25 @@ def test_a_declined_call_is_logged_once_per_reason(monkeypatch, caplog):
     said = [r.getMessage() for r in caplog.records if "declined" in r.getMessage()]
     assert len(said) == 2 and "approximate='none'" in said[0] and "float64" in said[1], said
     assert table.get("geglu").ran == {"reference": 4}
+
+
+@pytest.mark.parametrize("op", ["add_rms_norm", "add_layer_norm"])
+def test_a_residual_of_another_dtype_goes_to_the_reference(monkeypatch, op):
+    """The C++ fused residual norms take a residual of x's dtype only: a bf16 x with an fp32 residual (an fp32
+    residual stream) is declined to the reference instead of raising in C++. ``h`` is the promoted sum (exact:
+    bf16 widens to fp32 exactly, one fp32 rounding in the add, as torch's own ``x + residual``); the norm of h
+    against float64: fp32 statistics over 64 elements err by ~64 u ~ 4e-6 relatively, 1e-4 leaves 25x."""
+    table = _cpu_table(monkeypatch, ("cpp", "reference"))
+    x, residual = torch.randn(5, 64).bfloat16(), torch.randn(5, 64)
+    w, b = torch.randn(64), torch.randn(64)
+    args = (x, residual, w) if op == "add_rms_norm" else (x, residual, w, b)
+    y, h = getattr(table, op)(*args, 1e-5)
+    assert torch.equal(h, x + residual)
+    hd = h.double()
+    if op == "add_rms_norm":
+        want = hd * torch.rsqrt(hd.square().mean(-1, keepdim=True) + 1e-5) * w.double()
+    else:
+        want = (hd - hd.mean(-1, keepdim=True)) / torch.sqrt(hd.var(-1, unbiased=False, keepdim=True) + 1e-5)
+        want = want * w.double() + b.double()
+    torch.testing.assert_close(y.double(), want, atol=1e-4, rtol=1e-4)
+    assert table.get(op).ran == {"reference": 1}
