@@ -132,6 +132,23 @@ def test_token_range_of_valid_ids_is_their_smallest_and_largest(tmp_path):
     assert IndexedDataset(tmp_path / "pos").token_range(chunk_tokens=4) == (int(ids.min()), int(ids.max()))
 
 
+
+def test_token_range_reads_every_position_of_every_chunk(tmp_path):
+    """The largest and the smallest id at each position in turn (a chunk's first, middle and last, the file's last),
+    read in chunks of a random size smaller than the file: each is found (the reference: numpy over all ids)."""
+    rng = np.random.default_rng()
+    n, chunk = int(rng.integers(7, 15)), int(rng.integers(2, 6))
+    base = rng.integers(100, 1000, n)
+    for pos in range(n):
+        for extreme in (5000, 3):
+            ids = base.copy()
+            ids[pos] = extreme
+            idx, data = _fixture_bytes([[ids.tolist()]], 4, np.int32)
+            (tmp_path / "r.idx").write_bytes(idx)
+            (tmp_path / "r.bin").write_bytes(data)
+            got = IndexedDataset(tmp_path / "r").token_range(chunk_tokens=chunk)
+            assert got == (int(ids.min()), int(ids.max())), (n, chunk, pos, extreme)
+
 def test_bad_files_fail_with_clear_errors(tmp_path):
     docs = _random_docs(np.random.default_rng(2), 5, 500)
     idx, data = _fixture_bytes(docs, 8, np.uint16)

@@ -171,3 +171,29 @@ def test_loader_workers_fork_inside_a_spawned_rank():
     from omnitron.testing.distributed import run_distributed
 
     assert run_distributed(_loader_inherits_rank_state, 1, backend="cpu") == [[7, 7, 7, 7]]
+
+
+def test_length_is_the_batches_each_rank_reads():
+    """``len(sampler)`` (what ``len(DataLoader)`` reports) is the number of micro-batches this rank's iteration
+    yields, from any resume point (given, or loaded from a state dict: one at the end of the data too), with or
+    without ``drop_last``; without it the last partial step's batch goes to the ranks whose slice of it is not
+    empty (fresh random sizes; the reference is the definition: the global order 0, 1, 2, ... cut into steps of
+    mbs x dp, rank r taking items [r mbs, (r + 1) mbs) of each)."""
+    import random
+
+    rng = random.Random()
+    for i in range(200):
+        total, mbs, dp = rng.randint(1, 60), rng.randint(1, 5), rng.randint(1, 4)
+        consumed, drop_last = total if i % 10 == 0 else rng.randint(0, total), rng.random() < 0.5
+        left = list(range(consumed, total))
+        steps = [left[i:i + mbs * dp] for i in range(0, len(left), mbs * dp)]
+        for r in range(dp):
+            want = [s[r * mbs:(r + 1) * mbs] for s in steps if len(s) == mbs * dp or not drop_last]
+            want = [b for b in want if b]
+            sampler = PretrainingSampler(total, consumed, mbs, r, dp, drop_last=drop_last)
+            case = (total, consumed, mbs, r, dp, drop_last)
+            assert len(sampler) == len(want), case
+            assert list(sampler) == want, case
+            loaded = PretrainingSampler(total, 0, mbs, r, dp, drop_last=drop_last)
+            loaded.load_state_dict({"consumed_samples": consumed})
+            assert len(loaded) == len(want) and list(loaded) == want, case

@@ -156,6 +156,19 @@ def test_tiny_temperatures_are_greedy_and_padding_is_never_drawn(temperature):
     assert torch.equal(got, want) and int(got.max()) < real
 
 
+
+def test_a_nan_logit_is_never_the_draw():
+    """A row whose logits hold a NaN draws the argmax of its other logits (plain torch over the rest), also where
+    every real logit is negative (a NaN read as 0 would then win), at any temperature."""
+    rows, vocab = 6, 24
+    logits = torch.randn(rows, vocab) - 10.0
+    where = torch.randint(0, vocab, (rows,))
+    logits[torch.arange(rows), where] = float("nan")
+    want = logits.masked_fill(logits.isnan(), float("-inf")).argmax(-1)
+    for temperature in (1.0, 1e-30):
+        gens = [torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())) + i) for i in range(rows)]
+        assert torch.equal(sample_next(logits, SamplingParams(temperature=temperature), gens), want)
+
 def test_bad_input_is_named():
     model = sharp_model(CONFIGS["gpt2"]())
     with pytest.raises(ValueError, match="prompt 1 is empty"):

@@ -14,8 +14,12 @@ LAYOUT = {
 
 
 def _full_grads(seed: int) -> dict[str, torch.Tensor]:
+    """Gradients of the whole model, about a fifth of their elements exactly zero (--log-num-zeros-in-grad)."""
     g = torch.Generator().manual_seed(seed)
-    return {n: torch.randn(shape, generator=g) * 2 for n, (shape, _, _) in LAYOUT.items()}
+    out = {n: torch.randn(shape, generator=g) * 2 for n, (shape, _, _) in LAYOUT.items()}
+    for t in out.values():
+        t[torch.rand(t.shape, generator=g) < 0.2] = 0.0
+    return out
 
 
 def _full_params() -> dict[str, torch.Tensor]:
@@ -56,8 +60,8 @@ def _worker(inject_inf: bool):
             dup.append(p)
     cfg = OptimizerConfig(optimizer="sgd", lr=0.1, sgd_momentum=0.0, weight_decay=0.0, clip_grad=1.0)
     opt = MixedPrecisionOptimizer(named, cfg, groups, backend=be, loss_scaler=ConstantLossScaler(8.0), duplicates=dup)
-    res = opt.step(0.1)
-    return {"skipped": res.skipped, "norm": res.grad_norm, "tp": tp, "stage": stage,
+    res = opt.step(0.1, count_zeros=True)
+    return {"skipped": res.skipped, "norm": res.grad_norm, "zeros": res.num_zeros_in_grad, "tp": tp, "stage": stage,
             "params": {n: p.detach().clone() for n, p in named}}
 
 
@@ -80,9 +84,11 @@ def test_clip_and_skip_over_tp2_pp2():
     full_p, full_g = _full_params(), _full_grads(3)
     norm = torch.sqrt(sum(g.double().pow(2).sum() for g in full_g.values())).item()
     coef = 1.0 / (norm + 1e-6)
+    zeros = sum(int((g == 0).sum()) for g in full_g.values())
     for clean, dirty in results:
         assert dirty["skipped"] and not clean["skipped"]
         assert abs(clean["norm"] - norm) <= NORM_REL * norm
+        assert clean["zeros"] == zeros  # each element once: tp shards, replicated and tied tensors
         for name, p in clean["params"].items():
             src = "embed" if name == "out" else name
             shape, dim, _ = LAYOUT[src]

@@ -12,6 +12,7 @@ import datetime
 import itertools
 import json
 import math
+import random
 import re
 
 import pytest
@@ -167,3 +168,39 @@ def test_rampup_resume_is_bit_exact(tmp_path):
     assert sorted(first) == [1, 2, 3, 4] and sorted(rest["losses"]) == [5, 6, 7]
     assert {**first, **rest["losses"]} == whole
     assert rest["components"].scheduler.samples == 28
+
+
+def megatron_train_iters(gbs: int, rampup: tuple[int, int, int], train_samples: int) -> tuple[int, bool]:
+    """Megatron-LM d98e8a6 ``update_train_iters`` (megatron/training/training.py) with its
+    ``RampupBatchsizeNumMicroBatchesCalculator`` (megatron/core/num_microbatches_calculator.py), transcribed: the
+    ramp phase steps while consumed <= SAMPLES and <= train_samples, each at ``start + int(consumed /
+    per_increment) * increment`` (``gbs`` past SAMPLES), then whole global batches of the rest. Also returns whether
+    the ramp phase's consumed count landed exactly on SAMPLES."""
+    start, inc, samples = rampup
+    per_increment = samples / ((gbs - start) // inc)
+    iterations = consumed = 0
+    exact = False
+    while consumed <= samples and consumed <= train_samples:
+        exact = exact or consumed == samples
+        consumed += gbs if consumed > samples else start + int(consumed / per_increment) * inc
+        iterations += 1
+    if train_samples > consumed:
+        iterations += (train_samples - consumed) // gbs
+    return iterations, exact
+
+
+def test_ramp_iterations_as_megatron_counts_them():
+    """Random ramps and --train-samples (small numbers, so the ramp's count often lands exactly on SAMPLES, the
+    edge where Megatron still takes a ramp step): BatchRamp.iterations equals Megatron's count."""
+    rng = random.Random()
+    edges = 0
+    for _ in range(400):
+        per_step = rng.choice([1, 2, 4])
+        start, inc = per_step * rng.randint(1, 4), per_step * rng.randint(1, 3)
+        gbs = start + inc * rng.randint(1, 4)
+        rampup = (start, inc, rng.randint(inc, 60))
+        train_samples = rng.randint(1, 160)
+        want, exact = megatron_train_iters(gbs, rampup, train_samples)
+        edges += exact
+        assert BatchRamp(gbs, per_step, rampup).iterations(train_samples) == want, (gbs, rampup, train_samples)
+    assert edges > 5

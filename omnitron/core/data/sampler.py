@@ -46,8 +46,10 @@ class PretrainingSampler:
         return self.micro_batch_size * self.dp_size
 
     def __len__(self) -> int:
-        left = self.total_samples - self.consumed_samples
-        return left // self.step if self.drop_last else -(-left // self.step)
+        """Micro-batches this rank's iteration yields: the whole steps left, and without ``drop_last`` the last
+        partial step where this rank's slice of it is not empty."""
+        whole, rest = divmod(self.total_samples - self.consumed_samples, self.step)
+        return whole + int(not self.drop_last and rest > self.dp_rank * self.micro_batch_size)
 
     def __iter__(self) -> Iterator[list[int]]:
         lo = self.dp_rank * self.micro_batch_size
