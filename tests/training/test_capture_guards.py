@@ -152,3 +152,34 @@ def test_context_parallelism_without_attention_dropout_is_captured():
     accepted, with the local implementation and the context-parallel size as given."""
     s = _settings("--cuda-graph-impl", "local", "--context-parallel-size", "2", "--attention-dropout", "0")
     assert (s.training.cuda_graph_impl, s.parallel.context_parallel_size) == ("local", 2)
+
+
+def test_a_compiled_layer_is_specialized_to_each_shape_it_meets():
+    """``compile_layers`` compiles with ``dynamic=False``: a second sequence length gets a graph of its own with
+    concrete sizes (no symbolic shapes, which device graphs and the fused kernels' preconditions cannot take), and
+    each graph computes the eager layer (a recording backend runs dynamo's graph op by op: float32 reorderings
+    only, no change of ops, hence 1e-6 relative)."""
+    from omnitron.core.compile import compile_layers
+    from omnitron.core.graph_state import is_region
+
+    from test_torch_compile import _layer
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def recorder(gm, example_inputs):
+        graphs.append([tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in example_inputs])
+        return gm.forward
+
+    model, be = _layer(hidden_dropout=0.0, attention_dropout=0.0)
+    layer = model.decoder.layers["0"]
+    xs = [torch.randn(s, 2, 32, device=be.current_device()) for s in (8, 4)]
+    with torch.no_grad():
+        eager = [layer(x, None) for x in xs]
+        assert compile_layers([model], be, compiler=recorder) == 1 and is_region(layer)
+        compiled = [layer(x, None) for x in xs]
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert len(graphs) == 2
+    assert all(not isinstance(d, torch.SymInt) for g in graphs for t in g
+               for d in (t if isinstance(t, tuple) else (t,))), graphs
