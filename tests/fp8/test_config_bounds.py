@@ -1,0 +1,33 @@
+"""``--first-last-layers-bf16``'s bound, Megatron's (TransformerConfig.__post_init__): each of
+``--num-layers-at-start-in-bf16`` and ``--num-layers-at-end-in-bf16`` may be anything from 0 up to one pipeline
+stage's layers, ``num_layers // pp``, inclusive; one more is refused in one line naming the flag and the bound."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from omnitron.core.config.parallel import ConfigError
+from omnitron.core.precision.fp8 import FP8Config
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_counts_up_to_one_stages_layers_are_accepted_and_one_more_refused(seed):
+    rng = random.Random(seed)
+    pp = rng.randint(1, 4)
+    num_layers = pp * rng.randint(1, 4) + rng.randint(0, pp - 1)  # not always a multiple: the floor counts
+    most = num_layers // pp
+    for flag, key in (("--num-layers-at-start-in-bf16", "num_layers_at_start_in_bf16"),
+                      ("--num-layers-at-end-in-bf16", "num_layers_at_end_in_bf16")):
+        for n in range(num_layers + 2):
+            cfg = FP8Config(fp8_recipe="tensorwise", first_last_layers_bf16=True, **{key: n})
+            if n <= most:
+                cfg.check_layers(num_layers, pp)
+                continue
+            with pytest.raises(ConfigError) as err:
+                cfg.check_layers(num_layers, pp)
+            msg = str(err.value)
+            assert msg.startswith(f"{flag} {n} is more than the {most} layers") and f"at most {most}" in msg
+            assert "\n" not in msg
+        # without the flag any count passes (Megatron reads them only with --first-last-layers-bf16)
+        FP8Config(fp8_recipe="tensorwise", **{key: num_layers + 5}).check_layers(num_layers, pp)
