@@ -31,3 +31,14 @@ def test_counts_up_to_one_stages_layers_are_accepted_and_one_more_refused(seed):
             assert "\n" not in msg
         # without the flag any count passes (Megatron reads them only with --first-last-layers-bf16)
         FP8Config(fp8_recipe="tensorwise", **{key: num_layers + 5}).check_layers(num_layers, pp)
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.0, "4"])
+def test_an_amax_history_shorter_than_one_or_not_an_int_is_refused(value):
+    """The delayed recipe's history holds at least the newest amax (its scale comes from it): 0, a negative length
+    or a non-integer is refused in one line naming the flag; 1 and longer are accepted as given."""
+    with pytest.raises(ConfigError) as err:
+        FP8Config(fp8_amax_history_len=value)
+    assert str(err.value) == f"--fp8-amax-history-len must be a positive integer, got {value!r}"
+    for n in (1, 2, 1024):
+        assert FP8Config(fp8_amax_history_len=n).fp8_amax_history_len == n
