@@ -35,6 +35,19 @@ def _wedged_with_a_lingering_thread() -> int:
     return _rank()
 
 
+def _wedged_ended_early_by_its_own_timer() -> int:
+    """Rank 0 is marked wedged and ends itself 1 s later (as a failed case's exit timer does, sim's
+    ``_exit_soon``); rank 1 reports 3 s after it: rank 0's result must already be written when its timer fires."""
+    import os
+
+    device_wedged()
+    if _rank() == 0:
+        threading.Timer(1.0, os._exit, (0,)).start()
+    else:
+        time.sleep(3.0)
+    return _rank()
+
+
 def _child(path: str, signum: int) -> None:
     """Writes what the child sees (an env variable, torch's threads), then ends by ``signum`` (0: returns)."""
     import os
@@ -75,6 +88,11 @@ def test_a_wedged_worker_ends_once_its_result_is_written(warm):
     assert run_distributed(_wedged_with_a_lingering_thread, 2, timeout_s=120) == [0, 1]
     took = time.monotonic() - start
     assert took < LINGER_S / 2, took
+
+
+def test_a_wedged_worker_ended_while_it_waits_for_its_peers_has_reported(warm):
+    # the result is written before the store barrier: before, rank 0 died in it and read "no result (exit code 0)"
+    assert run_distributed(_wedged_ended_early_by_its_own_timer, 2, timeout_s=120) == [0, 1]
 
 
 def test_run_forked_reports_the_exit_the_environment_and_errors(warm, tmp_path):

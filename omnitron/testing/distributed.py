@@ -68,6 +68,14 @@ def _store_barrier(world: int, timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+def _report(outdir: str, rank: int, result: dict) -> None:
+    """Write this rank's result for the parent (complete or absent: written aside, then renamed)."""
+    path = os.path.join(outdir, f"rank{rank}.pkl")
+    with open(path + ".part", "wb") as f:
+        pickle.dump(result, f)
+    os.replace(path + ".part", path)
+
+
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, outdir: str, backend: str,
             threads: int, env: dict[str, str]) -> None:
     import torch
@@ -86,17 +94,15 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, outdir:
         be.collectives.init_process_group(rank=rank, world_size=world, timeout_s=180,
                                           store=client_store(port, world, 180.0))
         value = _to_host(fn(*args))
-        if _WEDGED:
-            _store_barrier(world)
-        else:
-            be.collectives.barrier()  # checked in strict mode: a rank that skipped a collective fails here, named
         result = {"ok": True, "value": value, "device_peak": be.memory_stats().get("peak_allocated")}
+        if _WEDGED:  # reported before waiting for the peers: a test's exit timer may end this process meanwhile
+            _report(outdir, rank, result)
+            _store_barrier(world)
+            os._exit(0)  # every rank has reported: tearing the stuck group down would wait on it
+        be.collectives.barrier()  # checked in strict mode: a rank that skipped a collective fails here, named
     except BaseException as err:  # noqa: BLE001 - report everything to the parent
         result = {"ok": False, "error": f"rank {rank}: {type(err).__name__}: {err}\n{traceback.format_exc()}"}
-    finally:
-        pass
-    with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
+    _report(outdir, rank, result)
     if _WEDGED:  # every rank has reported (the store barrier): tearing the stuck group down would wait on it
         os._exit(0)
     try:
