@@ -15,7 +15,9 @@ causality as later versions do).
 Not stated, so left to the plan: the micro-batch size, virtual pipeline stages, activation recomputation (each
 row is priced at the plan's fastest variant of its layout that fits 80 GB: :func:`best_variant`); dropout is
 Megatron's default 0.1 (``--dropout 0`` prices the other reading). Communication is priced hidden where compute
-runs beside it (``--assume-overlap all``), as the README describes.
+runs beside it, the tensor-parallel collectives included (``--assume-overlap megatron``: Megatron-LM's
+``--tp-comm-overlap``, which the README names; omnitron's engine accepts that flag and does not run it).
+``--overlap all`` prices the same rows as omnitron's engine would run them (tp collectives waited where issued).
 
 Then the search (``--rank``): the published layout's best variant against the plan's best layout in Megatron-Core
 r0.8's space (tp within a node, 1F1B or interleaved; no V-shaped schedules).
@@ -30,7 +32,7 @@ what changes with data parallelism (fewer micro-batches per pipeline: the bubble
 collectives over more nodes), so it checks the machine model at scale apart from the profile's efficiency curves.
 
     PYTHONPATH=. python benchmarks/plan_published_h100.py [--rows 1.7B,70B] [--dropout 0.1] [--rank] [--strong]
-        [--fit] [--json F]
+        [--fit] [--overlap megatron|all] [--device h100-sxm] [--json F]
 """
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ ROWS = [
     ("314B", 128, 16384, 96, 8, 8, 48, 3072, 1536, 474.4),
     ("462B", 144, 18432, 112, 8, 16, 48, 6144, 3072, 459.9),
 ]
-DEVICE, GPN, SEQ, VOCAB, OVERLAP = "h100-sxm", 8, 4096, 131072, "all"
+DEVICE, GPN, SEQ, VOCAB, OVERLAP = "h100-sxm", 8, 4096, 131072, "megatron"
 
 
 def model_flags(row, dropout: float) -> dict:
@@ -167,6 +169,12 @@ def held_out_fit(dropout: float) -> dict:
     return fit_odd_rows(errors, ROWS, 0.75, "kernel rates at")
 
 
+def _use(device: str, overlap: str) -> None:
+    """Price every row on ``device`` under ``overlap`` (this module's constants, which its functions read)."""
+    global DEVICE, OVERLAP
+    DEVICE, OVERLAP = device, overlap
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", help="comma-separated row names (default: all)")
@@ -174,8 +182,12 @@ def main() -> None:
     ap.add_argument("--rank", action="store_true", help="also search every layout (Megatron-Core r0.8's space)")
     ap.add_argument("--strong", action="store_true", help="the 177B strong-scaling ends (96 -> 4,608 GPUs)")
     ap.add_argument("--fit", action="store_true", help="fit one kernel-rate constant on the odd rows, report the even")
+    ap.add_argument("--overlap", choices=("megatron", "all"), default=OVERLAP, help="--assume-overlap: megatron "
+                    "(the published runs' --tp-comm-overlap, default) or all (omnitron's engine)")
+    ap.add_argument("--device", default=DEVICE, help="device profile (default h100-sxm)")
     ap.add_argument("--json", help="write the rows to this file")
     args = ap.parse_args()
+    _use(args.device, args.overlap)
     from omnitron.plan.cluster import device_rates
 
     rates = device_rates(DEVICE, GPN)
@@ -217,7 +229,7 @@ def main() -> None:
     fitted = held_out_fit(args.dropout) if args.fit else None
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": DEVICE, "gpus_per_node": GPN, "dropout": args.dropout, "rows": out,
+            json.dump({"device": DEVICE, "gpus_per_node": GPN, "overlap": OVERLAP, "dropout": args.dropout, "rows": out,
                        "strong": strong, "fit": fitted}, f, indent=1)
 
 

@@ -21,10 +21,11 @@ def register(sub) -> None:
                    "sizes and the world size")
     p.add_argument("--bench", nargs="+", metavar="REPORT", help="omnitron bench reports (files or `bench all` "
                    "folders) of the target machine: also predict the step time, tokens/s and its breakdown")
-    p.add_argument("--assume-overlap", choices=("none", "dp", "all"), help="communication hidden behind compute: "
-                   "none (default), dp (gradient reduction), all (also pipeline sends, cp ring hops and the parameter "
-                   "all-gather; tp collectives and expert all-to-alls stay on the critical path, as the engine waits "
-                   "for them)")
+    p.add_argument("--assume-overlap", choices=("none", "dp", "all", "megatron"), help="communication hidden behind "
+                   "compute: none (default), dp (gradient reduction), all (also pipeline sends, cp ring hops and the "
+                   "parameter all-gather; tp collectives and expert all-to-alls stay on the critical path, as the "
+                   "engine waits for them), megatron (all and tp collectives hidden: for comparing with Megatron-LM "
+                   "runs that used --tp-comm-overlap; omnitron's engine runs all)")
     p.add_argument("--devices", type=int, help="recommend layouts for this many devices (needs --bench or --device, "
                    "and --global-batch-size): the fastest that fit, with their launch flags")
     p.add_argument("--device-memory", help="memory per device for --devices, e.g. 80GiB or 80GB (default with "

@@ -83,6 +83,6 @@ def exposed(tl, ranks: dict[int, tuple], overlap: str) -> float:
         end = spans[-1][1]
         marks = chunk_marks(spans, len(shares))
         pieces = [max(1, n) for n in _each(pieces, len(shares))]
-        delay = gather_delay(marks, shares, gat, pieces) if overlap == "all" else gat
+        delay = gather_delay(marks, shares, gat, pieces) if overlap in ("all", "megatron") else gat
         worst = max(worst, end + delay + reduce_tail(marks, shares, red, end, pieces, sum(late)))
     return max(0.0, worst - makespan)

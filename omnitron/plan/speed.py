@@ -25,7 +25,10 @@ attention is its ring's steps,
    the distributed optimizer's parameter all-gather behind the next step's forward, layer by layer
    (``--overlap-param-gather``), and the communication the engine runs beside compute (:data:`HIDDEN`: the cp
    ring's hops, pipeline sends) behind it: a stage's cost is ``max(compute + tp + ep, cp + pp)``; tensor-parallel
-   collectives and expert all-to-alls are waited where issued, as the engine runs them.
+   collectives and expert all-to-alls are waited where issued, as the engine runs them. ``megatron`` is ``all``
+   with the tensor-parallel collectives also hidden behind the GEMMs (``max(compute + ep, tp + cp + pp)``): what
+   Megatron-LM's ``--tp-comm-overlap`` (userbuffers) does, for comparing with published runs that used it
+   (benchmarks/plan_published_*.py); omnitron's engine runs ``all``.
 5. **Shared cores** (CPU reports): every rank of the layout runs on one host of the report's
    ``cpu_count`` cores, with ``omnitron train``'s intra-op threads (cores / ranks, at least 1). The GEMM /
    attention rows measured at that thread count are used; each rank's work is slowed by what the comm
@@ -71,7 +74,7 @@ from omnitron.plan import work
 from omnitron.plan.stage_layers import stage_layers, wide_layers
 from omnitron.plan.state import expert_data_parallel_size
 
-OVERLAPS = ("none", "dp", "all")
+OVERLAPS = ("none", "dp", "all", "megatron")
 KEYS = ("compute", "elementwise", "host", "tp", "cp", "pp", "ep")
 HIDDEN = ("pp",)
 """The communication the engine runs beside compute, hidden under ``--assume-overlap all``, with the context-parallel
@@ -81,6 +84,11 @@ The tensor-parallel collectives (no userbuffers overlap: Megatron's ``--tp-comm-
 and the experts' all-to-alls (each waited where it is issued; under ``--overlap-moe-expert-parallel-comm`` a combined
 pair's hide behind the other pass: :func:`pair_credit`) stay on the critical path: tests/sim/test_sim_plan_overlap.py
 counts the GEMMs a real step on ``sim`` issues while each collective is in flight."""
+BESIDE = {"all": HIDDEN, "megatron": HIDDEN + ("tp",)}
+"""Per ``--assume-overlap`` that hides communication behind a stage's compute: the kinds it hides (with the cp ring's
+hops). ``megatron`` adds the tensor-parallel collectives, as Megatron-LM's ``--tp-comm-overlap`` splits each GEMM and
+runs its all-gather / reduce-scatter beside the pieces: for pricing published runs that used it, not omnitron's
+engine (which accepts that flag and does not run it: omnitron/core/training/megatron_flags.py)."""
 _DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -93,11 +101,11 @@ class StageCost:
     attention_f: float = 0.0
     """One layer's core-attention forward (what selective recomputation repeats)."""
     attention_ew_f: float = 0.0
+    """The element-wise part of that forward priced apart (the probabilities' dropout): repeated with it."""
     ring: dict[str, float] = field(default_factory=lambda: {"F": 0.0, "B": 0.0})
     """The part of ``cp`` (per pass) the engine runs beside the ring's blocks: its point-to-point hops, less the
     backward's last (the key/value gradients taken home after the last block); ``--cp-comm-type`` a2a's and
     allgather's collectives are waited where issued."""
-    """The element-wise part of that forward priced apart (the probabilities' dropout): repeated with it."""
     host_async: bool = False
     """The host's fixed costs run ahead of an asynchronous device (an accelerator) instead of adding to it."""
 
@@ -108,27 +116,27 @@ class StageCost:
         work = max(dev, d["host"]) if self.host_async else dev + d["host"]
         return work, d["tp"] + d["cp"] + d["pp"] + d["ep"], d["pp"]
 
-    def _hidden(self, kind: str) -> tuple[float, float]:
-        """Under ``all``: (the pass's work with the communication the engine waits for where it issues it, the
-        communication it runs beside that work: :data:`HIDDEN`)."""
+    def _hidden(self, kind: str, overlap: str = "all") -> tuple[float, float]:
+        """Under ``all`` / ``megatron``: (the pass's work with the communication waited for where it is issued, the
+        communication run beside that work: :data:`BESIDE`)."""
         work, comm, _ = self._parts(kind)
         d = self.f if kind == "F" else self.b
-        beside = sum(d[k] for k in HIDDEN) + self.ring[kind]
+        beside = sum(d[k] for k in BESIDE[overlap]) + self.ring[kind]
         return work + comm - beside, beside
 
     def total(self, kind: str, overlap: str) -> float:
-        if overlap != "all":
+        if overlap not in BESIDE:
             work, comm, _ = self._parts(kind)
             return work + comm
-        exposed, beside = self._hidden(kind)
+        exposed, beside = self._hidden(kind, overlap)
         return max(exposed, beside)
 
-    def lag(self, kind: str) -> float:
-        """Under ``all``: seconds from the end of this pass (:meth:`total`) until its pipeline message is at the
+    def lag(self, kind: str, overlap: str = "all") -> float:
+        """Under ``all`` / ``megatron``: seconds from the end of this pass (:meth:`total`) until its pipeline message is at the
         next (F) / previous (B) stage. The send starts when the work ends and takes its ``pp`` time; the part of
         it that already ran inside the pass (the hidden communication beyond the pass's exposed work) is not
         waited for twice."""
-        exposed, beside = self._hidden(kind)
+        exposed, beside = self._hidden(kind, overlap)
         return max(0.0, self._parts(kind)[2] - max(0.0, beside - exposed))
 
 
@@ -507,9 +515,11 @@ def pipeline(settings, costs: dict[int, StageCost], overlap: str):
         b = c.total("B", overlap)
         table.update({(k, "F"): c.total("F", overlap), (k, "BW"): b, (k, "B"): b / 2, (k, "W"): b / 2})  # ZB-H1: B = W
 
-    # under ``all`` a send overlaps the sender's next work, but its receiver still waits for the message
-    hop = {(k, kind): c.lag(kind) for k, c in costs.items() for kind in "FB"}
-    transfer = (lambda k, kind: hop[(k, kind)]) if overlap == "all" else None
+    # under ``all`` / ``megatron`` a send overlaps the sender's next work, but its receiver still waits for the message
+    transfer = None
+    if overlap in BESIDE:
+        hop = {(k, kind): c.lag(kind, overlap) for k, c in costs.items() for kind in "FB"}
+        transfer = lambda k, kind: hop[(k, kind)]  # noqa: E731
     # complete=False: build_schedule's tables are checked by the schedule tests; a search simulates thousands
     return simulate(sched, stage_cost=lambda k, kind: table[(k, kind)], complete=False, transfer=transfer,
                     pair_credit=pair_credit(costs, overlap)), sched
@@ -594,10 +604,10 @@ def predict(settings, rates, overlap: str = "none") -> StepTime:
         parts["ep"] -= sum(min(credit(sched.stage(crit, t[i].chunk), sched.stage(crit, t[i + 1].chunk)),
                                costs[sched.stage(crit, t[i + 1].chunk)].total("B", overlap))
                            for i in sched.pairs.get(crit, ()))
-    if overlap == "all":  # hidden communication: what exceeds the exposed work beside it is charged to compute
+    if overlap in BESIDE:  # hidden communication: what exceeds the exposed work beside it is charged to compute
         parts["cp"] -= m * sum(sc.ring["F"] + sc.ring["B"] for sc in per_rank[crit])
-        parts.update(compute=busy[crit] - parts["elementwise"] - parts["host"] - parts["tp"] - parts["ep"] -
-                     parts["cp"], **dict.fromkeys(HIDDEN, 0.0))
+        parts.update(dict.fromkeys(BESIDE[overlap], 0.0))
+        parts["compute"] = busy[crit] - sum(parts[k] for k in KEYS if k != "compute")
     held = {r: [x for c in range(vp) for x in layers[(r, c)]] for r in range(pp)}
     # a rank's parameters and gradient buckets depend on its layers and on whether it holds the embedding or the head
     alike, own, head = {}, {}, _head_rank(settings)
@@ -680,7 +690,9 @@ def assumptions(settings, rates, overlap: str) -> list[str]:
             "all": "pipeline sends and context-parallel ring hops hidden behind compute where shorter (a pipeline "
                    "message still reaches its receiver a transfer later); parameter all-gather behind the next "
                    "forward; tensor-parallel collectives and expert all-to-alls on the critical path, as the engine "
-                   "waits for them"}
+                   "waits for them",
+            "megatron": "as all, and tensor-parallel collectives hidden behind the GEMMs where shorter, as "
+                        "Megatron-LM's --tp-comm-overlap runs them (omnitron's engine does not: it runs all)"}
     out = [f"overlap: {overlap} ({what[overlap]})"] + ([fp8.describe(settings)] if settings.fp8 is not None else [])
     if getattr(settings.model, "num_experts", None):
         from omnitron.plan.memory import model_config

@@ -259,3 +259,60 @@ def test_combined_pairs_hide_the_all_to_alls_behind_the_other_pass(m):
         assert tl.makespan == pytest.approx(m * (wf + af + wb + ab) - hidden, rel=1e-12, abs=1e-12)
     tl, _ = pipeline(s, {0: cost}, "all")  # a pass's all-to-alls are not hidden behind its own work: the same pairs
     assert tl.makespan == pytest.approx(m * (wf + af + wb + ab) - hidden, rel=1e-12, abs=1e-12)
+
+
+def _old_all(d: dict) -> float:
+    """One pass under ``--assume-overlap all`` as it was fitted (before the engine's overlap model): every
+    communication hidden behind the pass's work where shorter, ``max(work, tp + cp + pp + ep)``."""
+    return max(d["compute"] + d["elementwise"] + d["host"], d["tp"] + d["cp"] + d["pp"] + d["ep"])
+
+
+def test_megatron_overlap_is_the_old_all_on_dense_layouts(tmp_path, constant_rates):
+    """``megatron`` (tp collectives hidden, as Megatron-LM's --tp-comm-overlap): on a dense layout without cp each
+    pass of every stage costs ``max(work, tp + pp)`` (:func:`_old_all`, computed here from the stage's own terms),
+    on random stage costs and on a real tp2 x pp2 x dp2 layout's; and its pipeline message arrives when the old
+    ``all`` said: ``max(0, pp - max(0, comm - work))``. Exact (one max of the same sums)."""
+    from omnitron.commands.plan import settings_of
+    from omnitron.plan.speed import StageCost, _stage_costs
+
+    rng = random.Random()
+    costs = []
+    for _ in range(20):
+        c = StageCost()
+        for d in (c.f, c.b):
+            d.update({k: rng.uniform(0, 3) for k in ("compute", "elementwise", "host", "tp", "pp")})
+        costs.append(c)
+    rates = constant_rates(tmp_path, 0.5, rng.choice([0.5, 5.0, 50.0]))  # links fast to slow against the work
+    s = settings_of({"model": "gpt2_tiny", "mock_data": True, "tokenizer_type": "NullTokenizer", "vocab_size": 200,
+                     "layout": "tp2,pp2,dp2", "global_batch_size": 8})
+    real = list(_stage_costs(s, rates, "megatron")[2].values())
+    # each stage sends one way (the first forward, the last backward) and runs tp collectives both ways; no cp, ep
+    assert all(c.f["tp"] > 0 < c.f["pp"] + c.b["pp"] and c.f["cp"] == c.f["ep"] == c.b["cp"] == 0 for c in real)
+    for c in costs + real:
+        for kind, d in (("F", c.f), ("B", c.b)):
+            assert c.total(kind, "megatron") == pytest.approx(_old_all(d), rel=1e-12)
+            work_s = d["compute"] + d["elementwise"] + d["host"]
+            old_lag = max(0.0, d["pp"] - max(0.0, d["tp"] + d["pp"] - work_s))
+            assert c.lag(kind, "megatron") == pytest.approx(old_lag, rel=1e-12, abs=1e-15)
+
+
+def test_megatron_overlap_differs_from_all_by_the_tp_time(tmp_path, constant_rates):
+    """One stage (pp 1, dp 1: no pipeline sends, no bubble, no gradient reduction), tp2, links fast enough that the
+    tp collectives are shorter than the work: ``all`` waits for them (the step = work + tp), ``megatron`` hides them
+    (the step = work), so the two steps differ by exactly the tp time ``none`` reports (the bytes at the rate), and
+    the two agree on every other term. Exact up to float sums."""
+    from omnitron.commands.plan import settings_of
+    from omnitron.plan.speed import _stage_costs, predict
+
+    rng = random.Random()
+    rates = constant_rates(tmp_path, 0.05, rng.uniform(0.005, 0.05))  # slow GEMMs, fast links
+    s = settings_of({"model": "gpt2_tiny", "mock_data": True, "tokenizer_type": "NullTokenizer", "vocab_size": 200,
+                     "layout": "tp2", "global_batch_size": rng.choice([2, 4, 8])})
+    none, every, meg = (predict(s, rates, o) for o in ("none", "all", "megatron"))
+    (c,) = _stage_costs(s, rates, "all")[2].values()
+    for d in (c.f, c.b):  # the regime this checks: each pass's tp shorter than its work
+        assert 0 < d["tp"] < d["compute"] + d["elementwise"] + d["host"] and d["pp"] == 0
+    assert every.total - meg.total == pytest.approx(none.tp, rel=1e-9)
+    assert every.tp == pytest.approx(none.tp, rel=1e-12) and meg.tp == 0.0
+    assert meg.compute == pytest.approx(every.compute, rel=1e-12) and meg.optimizer == every.optimizer
+    assert "overlap: megatron" in meg.assumptions[0] and "--tp-comm-overlap" in meg.assumptions[0]
