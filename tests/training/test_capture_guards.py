@@ -112,19 +112,10 @@ def test_outer_regions_skip_regions_nested_at_any_depth():
 def test_a_backend_without_a_compiler_is_refused_even_with_the_override_set(monkeypatch):
     """``OMNITRON_TORCH_COMPILE_BACKEND`` picks the compiler of a device that has one; it never makes a device
     without ``torch.compile`` support compile."""
-    from dataclasses import replace
-
     from omnitron.backends import get_backend
     from omnitron.core.compile import ENV_VAR, compiler_for
 
-    class NoCompiler:
-        name = "nocc"
-
-        def capabilities(self):
-            return replace(get_backend("cpu").capabilities(), compiler=None)
-
-        def compile_unsupported_reason(self):
-            return "no compiler here"
+    from tests.training.test_torch_compile import NoCompiler
 
     monkeypatch.setenv(ENV_VAR, "aot_eager")
     with pytest.raises(ConfigError, match=r"^--torch-compile: the nocc backend .*drop --torch-compile$"):

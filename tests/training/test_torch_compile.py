@@ -487,23 +487,27 @@ def test_compiled_data_parallel_matches_eager(tmp_path, monkeypatch, layout):
         assert g == pytest.approx(w, rel=REL) and n == 1, (rank, g, w, n)
 
 
+class NoCompiler:
+    """A backend stand-in whose device has no ``torch.compile`` support (cpu's capabilities, compiler None)."""
+
+    name = "nocc"
+
+    def capabilities(self):
+        from dataclasses import replace
+
+        from omnitron.backends import get_backend
+
+        return replace(get_backend("cpu").capabilities(), compiler=None)
+
+    def compile_unsupported_reason(self):
+        return "no compiler here"
+
+
 def test_backends_state_their_compiler_and_refusal_is_one_line():
     from omnitron.backends import get_backend
     from omnitron.core.compile import compiler_for
 
     assert get_backend("cpu").capabilities().compiler == "inductor"
-
-    class NoCompiler:
-        name = "nocc"
-
-        def capabilities(self):
-            from dataclasses import replace
-
-            return replace(get_backend("cpu").capabilities(), compiler=None)
-
-        def compile_unsupported_reason(self):
-            return "no compiler here"
-
     with pytest.raises(ConfigError, match=r"^--torch-compile: the nocc backend .*\(no compiler here\); drop"):
         compiler_for(NoCompiler())
 
