@@ -299,6 +299,6 @@ def test_first_last_layers_bf16_keeping_every_layer_wide_names_the_flags():
     single = ParallelGroups.single()
     with pytest.raises(ConfigError, match="selected no linear layer: --first-last-layers-bf16 keeps every layer "
                                           r"wide \(decoder.layers.0, decoder.layers.1\); lower --num-layers-at-start"):
-        enable_fp8(GPTModel(cfg, single), FP8Config(fp8_recipe="delayed", first_last_layers_bf16=True), single)
-    recipe = FP8Config(fp8_recipe="delayed", first_last_layers_bf16=True, num_layers_at_end_in_bf16=0)
+        enable_fp8(GPTModel(cfg, single), FP8Config(fp8_recipe="tensorwise", first_last_layers_bf16=True), single)
+    recipe = FP8Config(fp8_recipe="tensorwise", first_last_layers_bf16=True, num_layers_at_end_in_bf16=0)
     assert {n.split(".")[2] for n in enable_fp8(GPTModel(cfg, single), recipe, single)} == {"1"}

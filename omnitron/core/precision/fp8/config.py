@@ -39,7 +39,8 @@ class FP8Config:
     """--fp8-impl: whose FP8 linear runs: ``omnitron`` (its own recipes, every backend) or ``torchao`` (torchao's
     Float8Linear math, tensorwise recipe only; needs torchao installed). fp8/torchao_impl.py."""
     first_last_layers_bf16: bool = False
-    """--first-last-layers-bf16: keep the first and last transformer layers out of FP8."""
+    """--first-last-layers-bf16: keep the first and last transformer layers out of FP8 (not with the ``delayed``
+    recipe, which Megatron refuses: ``TransformerConfig.__post_init__``)."""
     num_layers_at_start_in_bf16: int = 1
     """--num-layers-at-start-in-bf16: layers kept wide at the start when ``first_last_layers_bf16``."""
     num_layers_at_end_in_bf16: int = 1
@@ -52,6 +53,10 @@ class FP8Config:
         if self.fp8_recipe not in FP8_RECIPES:
             raise ConfigError(f"--fp8-recipe {self.fp8_recipe!r} is unknown: use one of {', '.join(FP8_RECIPES)}")
         check(self.fp8_impl, self.fp8_recipe)
+        if self.first_last_layers_bf16 and self.fp8_recipe == "delayed":
+            raise ConfigError("--first-last-layers-bf16 with --fp8-recipe delayed (the default recipe): Megatron "
+                              "refuses it (delayed scaling's amax reduction spans every FP8 layer); use --fp8-recipe "
+                              "tensorwise or blockwise, or drop --first-last-layers-bf16")
         if self.fp8_format not in FP8_FORMATS:
             raise ConfigError(f"--fp8-format {self.fp8_format!r} is unknown: use one of {', '.join(FP8_FORMATS)}")
         if self.fp8_amax_compute_algo not in AMAX_ALGOS:
