@@ -19,12 +19,15 @@ own FP8 linear). FSDP2 calls two methods of a parameter's local shard when the s
 
 A gathered weight is bit-identical to the one-process cast of the same weight: the scale comes from the same
 amax (the max over shards is the max of the whole) and the cast is elementwise. A shard whose weight changed
-since the last :meth:`WeightScales.refresh` (a write outside the training step) falls back to reducing its own
-amax in ``fsdp_pre_all_gather`` (one all-reduce for that weight; every rank does the same). Only the
+since the last :meth:`WeightScales.refresh` (a write outside the training step: an in-place op on the parameter or
+its ``.data``, an optimizer step not followed by the refresh) falls back to reducing its own amax in
+``fsdp_pre_all_gather`` (one all-reduce for that weight; every rank does the same); a write is seen where it passes
+through the wrapper, or moves the parameter's or the master's version counter (:meth:`_Cast.current`). Only the
 tensorwise recipe (current per-tensor scaling) is supported, as in torchao; the others are refused.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 import torch
@@ -46,13 +49,32 @@ shards the parameter, and the padded buffer it all-gathers from must still cast 
 
 
 class _Cast:
-    """What every piece of one wrapped weight shares: its scale (None before the first refresh), the version of
-    the master when the scale was taken, the margin, and how to reduce one amax when the scale is stale."""
+    """What every piece of one wrapped weight shares: its scale (None before the first refresh), the weight's
+    version when the scale was taken (:meth:`current`), the margin, and how to reduce one amax when the scale is
+    stale."""
 
     def __init__(self, margin: int, reduce_one) -> None:
         self.margin, self.reduce_one = margin, reduce_one
         self.scale: torch.Tensor | None = None
-        self.version = -1
+        self.version: tuple = ()
+        self.writes = 0
+        """Ops that wrote a piece of the weight through :class:`FP8ShardedWeight` (its ``__torch_dispatch__``)."""
+        self.param = None
+        """A weak reference to the sharded parameter (:meth:`WeightScales.collect`)."""
+
+    def current(self, shard: torch.Tensor) -> tuple:
+        """The weight's version: the writes through the wrapper (in-place ops on the parameter or its ``.data``,
+        optimizer steps, foreach or not), the sharded parameter's version counter (its ``DTensor``'s:
+        ``torch.autograd.graph.increment_version``) and its fp32 master's (written directly:
+        :meth:`FP8ShardedWeight.master`). The local shard's own counter is not enough: ``DTensor`` and the wrapper
+        run an op on their inner tensors below autograd, which bumps no counter, and a foreach step on ``DTensor``
+        parameters (the optimizers' default on an accelerator) bumps not even the parameter's. Before
+        :meth:`WeightScales.collect`, ``shard``'s master stands for the parameter."""
+        p = self.param() if self.param is not None else None
+        if p is None:
+            return self.writes, shard._tensor._version
+        local = p.to_local() if hasattr(p, "to_local") else p
+        return self.writes, p._version, local.master()._version
 
 
 class FP8ShardedWeight(torch.Tensor):
@@ -75,6 +97,8 @@ class FP8ShardedWeight(torch.Tensor):
         if func is aten.detach.default:
             return cls(args[0]._tensor, args[0]._cast)
         cast = next(a._cast for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
+        for t in _written(func, args, kwargs or {}):
+            t._cast.writes += 1  # the scale taken before is stale (_Cast.current)
         args, kwargs = pytree.tree_map_only(cls, lambda t: t._tensor, (args, kwargs or {}))
         out = func(*args, **kwargs)
         if func not in _PRESERVED:
@@ -98,9 +122,9 @@ class FP8ShardedWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """(this shard's e4m3 codes as bytes, padded to FSDP2's even shard rows), (the scale)."""
         c = self._cast
-        if c.scale is None or c.version != self._tensor._version:  # changed outside a step: reduce this one now
+        if c.scale is None or c.version != c.current(self):  # changed outside a step: reduce this one now
             c.scale = scale_from_amax(c.reduce_one(_amax(self._tensor)), WEIGHT_FORMAT, c.margin)
-            c.version = self._tensor._version
+            c.version = c.current(self)
         q = cast_to_fp8(self._tensor, WEIGHT_FORMAT, c.scale).view(torch.uint8)
         rows = -(-outer_size[0] // mesh.size())
         if q.shape[0] < rows:  # FSDP2 gathers equal shards; the padding rows fall past the weight's last row
@@ -115,6 +139,16 @@ class FP8ShardedWeight(torch.Tensor):
             out._scale_inv = scale.reciprocal()
             return None
         return FP8GatheredWeight(data.view(fp8_dtype(WEIGHT_FORMAT)), scale.reciprocal(), param_dtype), (data,)
+
+
+def _written(func, args: tuple, kwargs: dict) -> list[FP8ShardedWeight]:
+    """The :class:`FP8ShardedWeight` arguments ``func`` writes (those its schema marks mutable)."""
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(a.name)
+            out += [t for t in pytree.tree_leaves(value) if isinstance(t, FP8ShardedWeight)]
+    return out
 
 
 def _amax(t: torch.Tensor) -> torch.Tensor:
@@ -171,6 +205,7 @@ class WeightScales:
             t = p.to_local() if hasattr(p, "to_local") else p
             if isinstance(t, FP8ShardedWeight) and id(t._cast) in mine:
                 self.params.append(p)
+                t._cast.param = weakref.ref(p)
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -181,7 +216,7 @@ class WeightScales:
         amax = self._reduce(torch.stack([_amax(s.master()) for s in shards]))
         scales = scale_from_amax(amax, WEIGHT_FORMAT, self.margin)
         for s, scale in zip(shards, scales.unbind(0)):
-            s._cast.scale, s._cast.version = scale, s.master()._version
+            s._cast.scale, s._cast.version = scale, s._cast.current(s)
         self.reductions += 1
 
 
