@@ -371,7 +371,7 @@ def fp8_replay_peak(settings, cfg, events: list, sizes: list[float], linears: di
 
 
 def replay_fp8(settings, cfg, events: list, sizes: list[float], linears: dict, native: bool,
-               layers: int) -> tuple[float, float]:
+               layers: int, record: list | None = None) -> tuple[float, float]:
     """(peak of a wide transient probe's replayed log (:func:`omnitron.plan.transients.scaled_log`, with
     :func:`~omnitron.plan.transients.marker` events) as the chunk's FP8 linears (``linears``: :func:`chunk_linears`'s
     entry for it) run it, the probed layers' 1-byte savings (``saved less``) that the activation term takes off the
@@ -383,27 +383,35 @@ def replay_fp8(settings, cfg, events: list, sizes: list[float], linears: dict, n
     linear's ``forward``, ``backward`` and ``weight`` markers, what its FP8 pass creates (:func:`linear_peak`; B's
     half at ``backward`` where W makes the weight gradient) is added.
     ``layers``: the probe's; a layer it recomputes in full (:func:`~omnitron.plan.transients.probe_recomputed`) holds
-    its FP8 saved inputs from its rerun forward, and the activation term takes nothing off for it."""
+    its FP8 saved inputs from its rerun forward, and the activation term takes nothing off for it. ``record``: a list
+    this appends the replay to as ``(name, bytes)`` steps of the live bytes, in order (the wide log's events and
+    markers under their names, a free as ``"free"`` with its signed change; :func:`fp8_log`)."""
     recomputed = probe_recomputed(cfg, layers)
+    note = record.append if record is not None else (lambda step: None)
     stash, freed = split_operands(settings, cfg, events, sizes, linears)
     live = held = total = best = 0.0
     seen, pending, holding, alive, credits, stashed = {}, {}, set(), set(), {}, set()
     for i, (op, n) in enumerate(events):
         if op is None:
+            credit = credits.pop(n, 0.0)
             live -= sizes[n]
             alive.discard(n)
-            held -= credits.pop(n, 0.0)  # the wide input freed in the wide log: nothing more to take off
+            held -= credit  # the wide input freed in the wide log: nothing more to take off
+            note(("free", credit - sizes[n]))
             continue
         if op == W_START:  # B has ended: the output gradients only FP8 linears kept give way to their stand-ins
             held -= cfg.params_dtype.itemsize * len(stashed)  # (one element each, :func:`w_operands`)
+            note(("fp8 stand-ins", cfg.params_dtype.itemsize * len(stashed)))
             for source in freed:
                 if source in alive and source not in credits:
                     credits[source] = sizes[source]
                     held += sizes[source]
+                    note(("fp8 gradient freed", -sizes[source]))
         if not op.startswith(LINEAR):
             live += sizes[i]
             alive.add(i)
             best = max(best, live - held)
+            note((op, sizes[i]))
             continue
         kind, layer, name, source = op[len(LINEAR):-1].split(" ")
         key = (int(layer), name)
@@ -413,12 +421,16 @@ def replay_fp8(settings, cfg, events: list, sizes: list[float], linears: dict, n
         if kind in ("forward", "backward", "weight"):  # B of a split backward: its weight-gradient GEMM in W
             priced = "input" if kind == "backward" and key in stash else kind
             has_bias = bool(bias and bias[0])
-            best = max(best, live - held + linear_peak(settings, cfg, priced, o, k, native, t, has_bias))
+            own = linear_peak(settings, cfg, priced, o, k, native, t, has_bias)
+            best = max(best, live - held + own)
+            note(("fp8 " + kind, own))
+            note(("fp8 " + kind + " end", -own))
         if kind == "forward":
             seen[key] = seen.get(key, 0) + 1
             if seen[key] == (2 if key[0] in recomputed else 1):  # kept: the forward; recomputed: the rerun
                 pending[key] = None if source == "-" else int(source)
                 held -= saved  # the saved FP8 input beside the wide one
+                note(("fp8 saved input", saved))
                 total += 0 if key[0] in recomputed else less
         elif kind == "done" and key in pending:  # the wide input, an argument or local of its module, is freed now
             source = pending.pop(key)
@@ -426,16 +438,30 @@ def replay_fp8(settings, cfg, events: list, sizes: list[float], linears: dict, n
             if less + saved > 0 and source in alive and source not in credits:
                 credits[source] = sizes[source]
                 held += sizes[source]
+                note(("wide input off", -sizes[source]))
         elif kind == ("weight" if key in stash else "end") and key in holding:  # W's GEMM reads it: kept till W
             holding.discard(key)
             held += saved
+            note(("fp8 saved input freed", -saved))
         if kind == "end" and key in stash and key not in stashed:  # B stashed W's operands beside the kept gradient
             stashed.add(key)
             held -= stash[key] - cfg.params_dtype.itemsize  # the stand-in comes when B has ended
+            note(("fp8 w operands", stash[key] - cfg.params_dtype.itemsize))
         elif kind == "weight" and key in stashed:  # W has read them
             stashed.discard(key)
             held += stash[key]
+            note(("fp8 w operands freed", -stash[key]))
     return best, total
+
+
+def fp8_log(settings, cfg, events: list, sizes: list[float], linears: dict, native: bool,
+            layers: int) -> tuple[list, list[float]]:
+    """A wide transient probe's log as the chunk's FP8 linears run it (:func:`replay_fp8`'s ``record``), in the
+    form the plan replays, ``(events, sizes)``: every step a creation of its signed bytes, the wide log's markers
+    kept under their names (so :mod:`omnitron.plan.moe_overlap` cuts it where it cuts the wide one)."""
+    steps: list = []
+    replay_fp8(settings, cfg, events, sizes, linears, native, layers, steps)
+    return [(name, i) for i, (name, _) in enumerate(steps)], [float(d) for _, d in steps]
 
 
 def w_operands(fp8, out: int, t: float, e: int, bias: bool) -> float:

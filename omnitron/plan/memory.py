@@ -81,7 +81,7 @@ from omnitron.plan.activations import activation_model, fine_grained_bytes, with
 from omnitron.plan.cp_blocks import block_dropout_bytes, priced_config
 from omnitron.plan import cp_comm
 from omnitron.plan.cp_comm import saved_extra
-from omnitron.plan.fp8_memory import chunk_linears, fp8_bytes, fp8_replay_peak, fp8_w_inputs, saved_less
+from omnitron.plan.fp8_memory import chunk_linears, fp8_bytes, fp8_log, fp8_replay_peak, fp8_w_inputs, saved_less
 from omnitron.plan.fp8_moe import experts_as_run
 from omnitron.plan.fp8_passes import native_gemm
 from omnitron.plan.state import state_bytes
@@ -471,6 +471,15 @@ def _probe_log(settings, cfg, n: int, first: bool, last: bool, moe: bool, split:
     return scaled_log(Probe(probe, n, first, last, _S0, _B0, split), s, b, kh, kd, padded_vocab_size(cfg, tp) // tp)
 
 
+def _pair_log(settings, cfg, n: int, end: tuple[bool, bool], moe: bool, fp8: dict | None,
+              native: bool) -> tuple[list, list[float]]:
+    """The unsplit probe log of ``n`` layers a combined pair replays (:func:`.moe_overlap.pair_extras`): the wide
+    one, or with FP8 linears ``fp8`` as they run it (:func:`.fp8_memory.fp8_log`: their saved inputs and scales
+    per recipe, their passes' own tensors, the wide inputs they free), as the plain transient term replays it."""
+    log = _probe_log(settings, cfg, n, *end, moe, False)
+    return fp8_log(settings, cfg, *log, fp8, native, n) if fp8 else log
+
+
 def w_input_bytes(settings, cfg, layers: int, first: bool, last: bool, moe: bool = False,
                   fp8: dict | None = None) -> float:
     """What one micro-batch of a chunk of ``layers`` layers holds between its B and its W beyond its saved tensors
@@ -676,8 +685,10 @@ def estimate(settings, transients: bool = True, load=None, device=None) -> list[
         ranks = range(pc.expert_model_parallel_size) if routing is not None and has_moe else [None]
         less = saved_less(settings, cfg, r)
         w = _w_inputs(settings, cfg, schedule, r, ends, (layers, moe)) if transients else {}
-        pairs = pair_extras(schedule, r, lambda c: _probe_log(
-            settings, cfg, min(layers[(r, c)], 2 * _unit(cfg)), *ends[c], moe[(r, c)] > 0, False)) if transients else {}
+        fp8, native = chunk_linears(settings, cfg, r), settings.fp8 is not None and native_gemm(settings.fp8, device)
+        pairs = pair_extras(schedule, r, lambda c: _pair_log(
+            settings, cfg, min(layers[(r, c)], 2 * _unit(cfg)), ends[c], moe[(r, c)] > 0, fp8.get(c), native)) \
+            if transients else {}
         each = {k: _held(settings, cfg, schedule, r, ends, (layers, moe), routing, k,
                          less if k is None else saved_less(settings, cfg, r, (routing, k)), w, pairs) for k in ranks}
         stage = [s for c in ends for s in routing[(r, c)]] if routing is not None else []
