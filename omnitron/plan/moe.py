@@ -115,10 +115,9 @@ def moe_collectives(cfg, m: MoELocal, elem: int, stats: int) -> tuple[list, list
         bwd += [("all_gather", T * h * elem, m.tp), ("all_gather", T * E * 4, m.tp)]
     if m.tp > 1 and m.sp and capacity:  # capacity decided over the whole micro-batch: gates and picks gathered
         fwd += [("all_gather", T * E * 4, m.tp), ("all_gather", T * E, m.tp)]
-    rows = max(m.assignments, m.received) * h * elem  # the larger of a rank's sends and the busiest's receipts
-    if m.ep > 1:
-        fwd += [("all_to_all", E * 8, m.ep), ("all_to_all", rows, m.ep), ("all_to_all", rows, m.ep)]
-        bwd += [("all_to_all", rows, m.ep), ("all_to_all", rows, m.ep)]
+    if m.ep > 1:  # the token counts' exchange (int64 [E]), then the rows' (handed_over)
+        fwd.append(("all_to_all", E * 8, m.ep))
+        fwd, bwd = fwd + handed_over(m, elem)[0], bwd + handed_over(m, elem)[1]
     if m.etp > 1:
         got = m.received * h * elem  # the etp peers gather what their ep exchange received
         fwd += [("all_gather", m.local_experts * 8 * m.etp, m.etp), ("all_to_all", m.etp * got, m.etp),
@@ -127,6 +126,19 @@ def moe_collectives(cfg, m: MoELocal, elem: int, stats: int) -> tuple[list, list
         if bias:  # the local experts' fc2 biases: gradients summed over etp
             bwd.append(("all_reduce", m.local_experts * h * elem, m.etp))
     return fwd, bwd
+
+
+def handed_over(m: MoELocal, elem: int) -> tuple[list, list]:
+    """(forward, backward) ``(op, bytes, group size)`` of the collectives of one MoE layer at which a combined pair
+    of ``--overlap-moe-expert-parallel-comm`` hands over to its other pass (``all_to_all_steps`` and the reverse
+    all-to-all in ``core/transformer/moe/dispatch.py``): the rows' all-to-alls over ep, the dispatch's and the
+    combine's, each way. The rest of :func:`moe_collectives` is waited where it is issued: the token counts'
+    all-to-all (the host reads the received counts for the rows' splits before the rows go), the router's
+    statistics, the tp gathers and the etp exchanges. Empty at ep 1."""
+    if m.ep == 1:
+        return [], []
+    rows = max(m.assignments, m.received) * m.hidden * elem  # the larger of a rank's sends and the busiest's receipts
+    return [("all_to_all", rows, m.ep)] * 2, [("all_to_all", rows, m.ep)] * 2
 
 
 def moe_elementwise(cfg, m: MoELocal) -> list[tuple[str, int]]:

@@ -106,6 +106,10 @@ class StageCost:
     """The part of ``cp`` (per pass) the engine runs beside the ring's blocks: its point-to-point hops, less the
     backward's last (the key/value gradients taken home after the last block); ``--cp-comm-type`` a2a's and
     allgather's collectives are waited where issued."""
+    handed: dict[str, float] = field(default_factory=lambda: {"F": 0.0, "B": 0.0})
+    """The part of ``ep`` (per pass) at which a combined pair of ``--overlap-moe-expert-parallel-comm`` hands over
+    to its other pass, which may hide it (:func:`pair_credit`): the rows' all-to-alls
+    (:func:`omnitron.plan.moe.handed_over`); the token counts' exchange and the rest are waited where issued."""
     host_async: bool = False
     """The host's fixed costs run ahead of an asynchronous device (an accelerator) instead of adding to it."""
 
@@ -212,6 +216,7 @@ def _layer(settings, cfg, rates, moe: bool, row: int | None = None) -> StageCost
     out = replace(costs[0], attention_f=sum(c.attention_f for c in costs) / len(costs),
                   attention_ew_f=sum(c.attention_ew_f for c in costs) / len(costs))
     out.f, out.b = ({k: sum(getattr(c, d)[k] for c in costs) / len(costs) for k in KEYS} for d in ("f", "b"))
+    out.handed = {kind: sum(c.handed[kind] for c in costs) / len(costs) for kind in "FB"}
     return out
 
 
@@ -271,6 +276,9 @@ def _layer_routed(settings, cfg, rates, moe: bool, share) -> StageCost:
         for key, op, n, ranks in rows:
             group = "ep" if key == "ep" and ranks == pc.expert_model_parallel_size else "tp"  # etp, stats: tp-cp
             d[key] += rates.comm_s(op, n, ranks, group=group)
+    if moe:
+        c.handed = {kind: sum(rates.comm_s(op, n, ranks, group="ep") for op, n, ranks in rows)
+                    for kind, rows in zip("FB", moe_work.handed_over(m, elem))}
     return c
 
 
@@ -364,6 +372,8 @@ def stage_cost(settings, cfg, rates, layers: list[bool], first: bool, last: bool
                 c.b[key] += one.f[key]
         c.ring = {"F": c.ring["F"] + one.ring["F"],
                   "B": c.ring["B"] + one.ring["B"] + (one.ring["F"] if i < rec else 0.0)}
+        # NOTE: a recomputed layer's forward all-to-alls (in B) are not credited: priced waited, an upper bound
+        c.handed = {kind: c.handed[kind] + one.handed[kind] for kind in "FB"}
         if cfg.recompute_granularity == "selective":  # core attention again, its dropout included
             c.b["compute"] += one.attention_f
             c.b["elementwise"] += one.attention_ew_f
@@ -494,10 +504,12 @@ def pair_credit(costs: dict[int, StageCost], overlap: str):
     while the other pass computes (Megatron's combined 1F1B: the two hand over at every all-to-all,
     ``core/transformer/moe/overlap.py``), so of the forward's all-to-all time ``a_f`` the part that fits in the
     backward's work ``w_b`` is hidden, and likewise the backward's: ``min(a_f, w_b) + min(a_b, w_f)`` (under every
-    ``--assume-overlap``: a pass's all-to-alls are never hidden behind its own work, :data:`HIDDEN`)."""
+    ``--assume-overlap``: a pass's all-to-alls are never hidden behind its own work, :data:`HIDDEN`). ``a``: the
+    rows' all-to-alls only (:attr:`StageCost.handed`); each MoE layer's token-count exchange, the router's statistics
+    and the tp / etp gathers are waited where issued, within the pass."""
     def credit(f: int, b: int) -> float:
         fw, bw = costs[f]._parts("F")[0], costs[b]._parts("B")[0]
-        return min(costs[f].f["ep"], bw) + min(costs[b].b["ep"], fw)
+        return min(costs[f].handed["F"], bw) + min(costs[b].handed["B"], fw)
     return credit
 
 

@@ -261,3 +261,31 @@ def test_moe_stage_params_are_the_gradient_buffers(tmp_path, extra):
     dense, expert = stage_param_groups(cfg, s, 0, kinds)
     assert expert > 0
     assert (dense + expert) * 4 == state_bytes(s, cfg, 0).grads
+
+
+def test_a_combined_pair_hides_the_rows_all_to_alls_not_the_token_counts(tmp_path):
+    """Under ``--overlap-moe-expert-parallel-comm`` a combined pair hands over to its other pass at the rows'
+    all-to-alls only, the dispatch's and the combine's each way (tests/sim/test_sim_plan_overlap.py counts them on
+    a real sim step); each MoE layer's token-count exchange is synchronous (the host reads the received counts for
+    the rows' splits) and stays in the pass. Reference, from the flags: balanced, dropless routing sends ``A = T
+    k`` rows of ``h`` fp32 values per all-to-all (T = s b = 64 tokens, k = 2, h = 64), two per pass and MoE layer;
+    the pair's credit is ``min(a_f, w_b) + min(a_b, w_f)`` of those and the passes' work, and each pass still
+    holds the counts' all-to-all, ``E`` int64 per layer (no other collective at tp1 cp1). The plan credited every
+    ``ep`` collective (the counts' exchange included) before."""
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.plan.speed import _stage_costs, pair_credit
+    from tests.plan.conftest import _constant_rates
+
+    s = parse_settings(_args(str(tmp_path), ["--expert-model-parallel-size", "2", "--global-batch-size", "8",
+                                             "--overlap-moe-expert-parallel-comm"]), 2)
+    rates = _constant_rates(tmp_path, 0.05, 0.001)  # links slow enough to leave nothing hidden by accident
+    costs = _stage_costs(s, rates, "all")[2]
+    layers, rows = 2, 64 * 2 * 64 * 4
+    a = layers * 2 * rates.comm_s("all_to_all", rows, 2, group="ep")
+    counts = layers * rates.comm_s("all_to_all", 4 * 8, 2, group="ep")
+    c = costs[0]
+    assert c.f["ep"] == pytest.approx(a + counts, rel=1e-12, abs=0)
+    assert c.b["ep"] == pytest.approx(a, rel=1e-12, abs=0)
+    fw, bw = c._parts("F")[0], c._parts("B")[0]
+    assert 0 < counts and a < min(fw, bw)  # the credit is the all-to-alls' whole time: the counts would show
+    assert pair_credit(costs, "all")(0, 0) == pytest.approx(min(a, bw) + min(a, fw), rel=1e-12, abs=0)

@@ -248,6 +248,7 @@ def test_combined_pairs_hide_the_all_to_alls_behind_the_other_pass(m):
     wf, wb, af, ab = (rng.uniform(0.5, 4) for _ in range(4))
     cost = StageCost()
     cost.f["compute"], cost.b["compute"], cost.f["ep"], cost.b["ep"] = wf, wb, af, ab
+    cost.handed = {"F": af, "B": ab}  # all of ep the rows' all-to-alls (StageCost.handed: the pair hands over there)
     for flag in (False, True):
         s = SimpleNamespace(parallel=SimpleNamespace(pipeline_model_parallel_size=1,
                                                      virtual_pipeline_model_parallel_size=None,
