@@ -144,7 +144,10 @@ EXCHANGE = 2 * (_S * _K) * _H * _E
         strict=True, reason="block-wise, the overlap's extra is priced 1.33 MB where the step holds 0.83 MB "
                             "(measured 2026-12-07 on cpu; the step itself +369 KB, inside its slack): the pair "
                             "replays the FP8 log (plan/moe_overlap.py), which took 53 KB off the wide log's 1.38 "
-                            "MB; the rest is not FP8's (tensorwise and delayed are priced 230 KB over too)"))],
+                            "MB; the rest is not FP8's: a Timeline of the real steps puts both peaks in the top "
+                            "layer's experts' backward, the plain one at two [512, 128] fp32 clones (expert weight "
+                            "gradients) 0.26 MB higher over the forward's end than the replay's, the pair's 0.24 MB "
+                            "lower, while the pair's first segments match (+1.16 MB real, +1.20 MB replayed)"))],
     ids=["tensorwise", "delayed", "blockwise"])
 def test_step_peak_with_the_overlap_at_ep2_fp8(fp8, tmp_path):
     """The ep2 case with FP8 experts (bf16) at routing padded to capacity (the bound above, derived): every rank's
