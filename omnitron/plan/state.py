@@ -96,14 +96,15 @@ def _structure(model_cfg) -> str:
     return repr(replace(model_cfg, **dict.fromkeys(names)))
 
 
-def _buffers(module, ddp, dp_cp: int, edp: int):
-    """The wrapper's gradient buffers for ``module`` (meta storage), with each one's replica-group size."""
+def _buffers(module, ddp, dp_cp: int, edp: int, bucketing: bool = True):
+    """The wrapper's gradient buffers for ``module`` (meta storage), with each one's replica-group size;
+    ``bucketing``: the wrapper's (the first chunk of the first pipeline stage)."""
     from omnitron.core.parallel.data.buffers import GradBuffer
     from omnitron.core.parallel.data.config import bucket_elements
 
     fp32 = bool(ddp and ddp.accumulate_allreduce_grads_in_fp32)
     dist = bool(ddp and ddp.use_distributed_optimizer)
-    bucket = bucket_elements(ddp, dp_cp)
+    bucket = bucket_elements(ddp, dp_cp, bucketing=bucketing)
     by: dict[tuple, list] = {}
     for p in [p for p in module.parameters() if p.requires_grad][::-1]:
         ex = bool(getattr(p, "expert", False))
@@ -247,8 +248,8 @@ def _state_bytes(settings, model_cfg, pp_rank: int) -> StateBytes:
     from omnitron.plan.optimizer_step import step_bytes
 
     params = grads = opt = step = 0
-    for module in chunks:
-        buffers = _buffers(module, ddp, dp_cp, edp)
+    for c, module in enumerate(chunks):
+        buffers = _buffers(module, ddp, dp_cp, edp, c == 0 and pp_rank == 0)
         step = max(step, step_bytes(settings, buffers, dist))
         for buf, size in buffers:
             dtype = buf.params[0].dtype
