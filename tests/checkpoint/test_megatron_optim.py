@@ -11,7 +11,7 @@ import tarfile
 import pytest
 import torch
 
-from omnitron.core.checkpoint.megatron import read_shards, resolve_dir
+from omnitron.core.checkpoint.megatron import rank_dir, read_shards, resolve_dir
 from omnitron.core.checkpoint.megatron_base import MegatronConversionError
 from omnitron.core.checkpoint.megatron_optim import read_rank_moments
 
@@ -31,7 +31,7 @@ def root(tmp_path_factory):
 def test_moments_are_what_megatron_held(root, case):
     iter_dir = resolve_dir(os.path.join(root, case))
     args, shards = read_shards(iter_dir)
-    got = read_rank_moments(iter_dir, args, shards)
+    got = read_rank_moments(iter_dir, args, shards, rank_dir)
     pp = int(args.get("pipeline_model_parallel_size") or 1)
     for (t, p), chunks in shards.items():
         rank = os.path.join(iter_dir, f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else ""))
@@ -53,7 +53,7 @@ def test_a_file_of_another_model_is_refused_in_one_line(root):
     sd = shards[(0, 0)][0]
     shards[(0, 0)][0] = {n: t for n, t in sd.items() if n != "decoder.final_layernorm.bias"}
     with pytest.raises(MegatronConversionError) as err:
-        read_rank_moments(iter_dir, args, shards)
+        read_rank_moments(iter_dir, args, shards, rank_dir)
     msg = str(err.value)
     assert "\n" not in msg and "distrib_optim.pt" in msg and "this model's layout" in msg, msg
     state = torch.load(os.path.join(iter_dir, "mp_rank_00", "distrib_optim.pt"), weights_only=True)

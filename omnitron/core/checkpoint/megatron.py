@@ -514,7 +514,7 @@ def _optimizer_state(iter_dir: str, args: dict, shards: dict, cfg, whole: bool) 
     omnitron name, with the step count of rank 0's ``model_optim_rng.pt``; None without those files."""
     from omnitron.core.checkpoint.megatron_optim import read_rank_moments
 
-    per_rank = read_rank_moments(iter_dir, args, shards)
+    per_rank = read_rank_moments(iter_dir, args, shards, rank_dir)
     if per_rank is None:
         return None
     path = os.path.join(iter_dir, rank_dir(0, 0, int(args.get("pipeline_model_parallel_size") or 1)), FILE)

@@ -127,14 +127,13 @@ def stage_params(sd: dict, pp: int, tied: bool) -> list[tuple[str, int, bool]]:
     return [(n, sd[n].numel(), n in shared) for n in names]
 
 
-def read_rank_moments(iter_dir: str, args: dict, shards: dict) -> dict | None:
+def read_rank_moments(iter_dir: str, args: dict, shards: dict, rank_dir) -> dict | None:
     """``{key: {(tp_rank, pp_rank): [per chunk {name: tensor in the parameter's shape}]}}`` for ``key`` in
     ``exp_avg`` / ``exp_avg_sq`` / ``param`` (fp32 main parameters), from every rank's ``distrib_optim.pt`` of the
     Megatron iteration directory ``iter_dir`` (``args``, ``shards``: :func:`~omnitron.core.checkpoint.megatron.
-    read_shards`'); None when no rank has one (no distributed optimizer, or saved without its state)."""
+    read_shards`'; ``rank_dir(tp_rank, pp_rank, pp)``: a rank's directory name, its ``rank_dir``); None when no
+    rank has one (no distributed optimizer, or saved without its state)."""
     import os
-
-    from omnitron.core.checkpoint.megatron import rank_dir
 
     pp = int(args.get("pipeline_model_parallel_size") or 1)
     paths = {tp: os.path.join(iter_dir, rank_dir(*tp, pp), FILE) for tp in shards}
