@@ -52,9 +52,10 @@ def data_parallel_size(args: dict) -> int:
 
 def decode(state, chunks: list[list[tuple[str, int, bool]]], buckets: list[int | None], dp_cp: int,
            where: str) -> list[dict[str, dict[str, torch.Tensor]]]:
-    """Per model chunk, per parameter name (local layer numbers: names repeat across chunks), its flat ``param`` / ``exp_avg`` / ``exp_avg_sq`` from one loaded ``distrib_optim.pt``
-    ``state``. ``chunks``: per model chunk its trainable parameters in registration order, each ``(name, numel,
-    shared_embedding)`` (a tied embedding's copy with pipeline stages gets a bucket of its own); ``buckets``: each
+    """Per model chunk, per parameter name (local layer numbers: names repeat across chunks), its flat ``param`` /
+    ``exp_avg`` / ``exp_avg_sq`` from one loaded ``distrib_optim.pt`` ``state``. ``chunks``: per model chunk its
+    trainable parameters in registration order, each ``(name, numel, shared_embedding)`` (a tied embedding's copy
+    with pipeline stages gets a bucket of its own); ``buckets``: each
     chunk's bucket size (:func:`bucket_sizes`); ``dp_cp``: the replicas the buffer was sharded over; ``where``
     names the file in errors. Raises :class:`MegatronConversionError` in one line where the file's layout is not
     this model's (naming the expected and the found sizes)."""
