@@ -3,8 +3,10 @@
 ``import-megatron --load MEGATRON_DIR --save OUT [--tensor-model-parallel-size T
 --pipeline-model-parallel-size P]`` reads a Megatron-Core GPT checkpoint saved with
 ``--ckpt-format torch_dist`` (Megatron's default) or ``torch`` (any tensor / pipeline / virtual-pipeline
-layout; dense, MoE, MLA and MTP models) and writes a weights-only omnitron checkpoint (iteration 0, fresh
-optimizer, as ``--finetune``; the routers' expert bias carried),
+layout; dense, MoE, MLA and MTP models) and writes an omnitron checkpoint at iteration 0: weights only (a
+fresh optimizer, as ``--finetune``; the routers' expert bias carried), or, where a ``--ckpt-format torch`` run
+saved its distributed optimizer's ``distrib_optim.pt`` files, with Megatron's Adam moments, fp32 masters and
+step count (the learning-rate schedule then the training command line's, from its start),
 printing the model flags a training run must repeat. ``export-megatron --load DIR --out MEGATRON_DIR
 --target-tensor-model-parallel-size T --target-pipeline-model-parallel-size P [--ckpt-format F]``
 writes the reverse (default torch_dist). The mapping is :mod:`omnitron.core.checkpoint.megatron` and
@@ -64,8 +66,10 @@ def run_import(args: argparse.Namespace) -> int:
     src = meta["imported_from"]
     print(f"imported {src['megatron_dir']} (Megatron {src['ckpt_format']} checkpoint, iteration {src['iteration']}, "
           f"tp{src['tensor_model_parallel_size']} pp{src['pipeline_model_parallel_size']}) to {out} ({layout}); "
-          f"weights only: Megatron's optimizer state is not carried, training from it starts at iteration 0 with "
-          f"a fresh optimizer")
+          + ("with Megatron's Adam state (distrib_optim.pt: moments, fp32 masters, step "
+             f"{meta['optimizer']['step']}): training from it starts at iteration 0 and resumes those moments"
+             if "step" in (meta.get("optimizer") or {}) else "weights only: Megatron's optimizer state is not "
+             "carried, training from it starts at iteration 0 with a fresh optimizer"))
     print(train_hint(args.save, meta))
     return 0
 

@@ -478,8 +478,10 @@ def _dp_collectives(settings, cfg, pp_rank: int, layers) -> list[tuple[str, str,
                                 ("edp", expert, expert_data_parallel_size(settings), [])):
         if group <= 1 or n + sum(own) <= 0:
             continue
-        bucket = bucket_elements(ddp, group)
-        sizes = [bucket] * int(n // bucket) + ([int(n % bucket)] if n % bucket else []) + own
+        bucket = bucket_elements(ddp, group, bucketing=pp_rank == 0)  # None: one bucket (Megatron's rule)
+        sizes = ([int(n)] if n else []) if bucket is None else [bucket] * int(n // bucket) + \
+            ([int(n % bucket)] if n % bucket else [])
+        sizes += own
         # NOTE: sharded buckets end at multiples of lcm(group, 128) (GradBuffer, Megatron's layout); the 64-element
         # alignment of each parameter's start (< 64 elements a tensor) is not priced: the counts here are elements
         end = math.lcm(group, BUCKET_ALIGN) if scatter else 1
@@ -650,15 +652,21 @@ def _pieces(settings, cfg, pp_rank: int, held, shares: list[float], layers: list
     """Per chunk of a rank of stage ``pp_rank`` (its layers' MoE flags ``held``; each chunk's ``shares`` of its
     gradients and its ``layers``): the pieces its reduction becomes ready in over its last backward
     (:mod:`.dp_overlap`): one a layer, but no more than its gradient buckets (:class:`GradBuffer` closes a bucket
-    at ``--ddp-bucket-size`` elements in backward order and reduces it once its last gradient is ready), the dense
-    and the expert gradients bucketed apart (each chunk's share of the rank's, as its share of the backward)."""
+    at ``--ddp-bucket-size`` elements in backward order and reduces it once its last gradient is ready; a chunk
+    after the first, and every chunk of a stage after the first, is one bucket, as in Megatron), the dense and the
+    expert gradients bucketed apart (each chunk's share of the rank's, as its share of the backward)."""
     from omnitron.core.parallel.data.config import bucket_elements
 
     dense, expert = stage_param_groups(cfg, settings, pp_rank, held)
     groups = [(n, g) for n, g in ((dense, settings.dp * settings.parallel.context_parallel_size),
                                   (expert, expert_data_parallel_size(settings))) if n > 0 and g > 1]
-    return [max(1, min(n, sum(math.ceil(e * w / bucket_elements(settings.ddp, g)) for e, g in groups)))
-            for w, n in zip(shares, layers)]
+    out = []
+    for c, (w, n) in enumerate(zip(shares, layers)):
+        # the overlap priced: buckets as --overlap-grad-reduce makes them (one for a chunk that does not bucket)
+        sizes = [bucket_elements(settings.ddp, g, bucketing=c == 0 and pp_rank == 0, overlap=True) for _, g in groups]
+        pieces = 1 if None in sizes else sum(math.ceil(e * w / b) for (e, _), b in zip(groups, sizes))
+        out.append(max(1, min(n, pieces)))
+    return out
 
 
 def _shares(chunks: list, overlap: str) -> list[float]:

@@ -96,14 +96,15 @@ def _structure(model_cfg) -> str:
     return repr(replace(model_cfg, **dict.fromkeys(names)))
 
 
-def _buffers(module, ddp, dp_cp: int, edp: int):
-    """The wrapper's gradient buffers for ``module`` (meta storage), with each one's replica-group size."""
+def _buffers(module, ddp, dp_cp: int, edp: int, bucketing: bool = True):
+    """The wrapper's gradient buffers for ``module`` (meta storage), with each one's replica-group size;
+    ``bucketing``: the wrapper's (the first chunk of the first pipeline stage)."""
     from omnitron.core.parallel.data.buffers import GradBuffer
     from omnitron.core.parallel.data.config import bucket_elements
 
     fp32 = bool(ddp and ddp.accumulate_allreduce_grads_in_fp32)
     dist = bool(ddp and ddp.use_distributed_optimizer)
-    bucket = bucket_elements(ddp, dp_cp)
+    bucket = bucket_elements(ddp, dp_cp, bucketing=bucketing)
     by: dict[tuple, list] = {}
     for p in [p for p in module.parameters() if p.requires_grad][::-1]:
         ex = bool(getattr(p, "expert", False))
@@ -116,8 +117,9 @@ def _buffers(module, ddp, dp_cp: int, edp: int):
             for (dt, ex, _), ps in by.items()]
 
 
-def _owned(buf, size: int, weight=lambda p: 1, per_piece: int = 0) -> int:
-    """Most parameter elements any one rank of ``size`` owns in ``buf`` (distributed optimizer slices), each
+def _owned(buf, size: int, weight=lambda p: 1, per_piece: int = 0):
+    """The parameter elements each rank of ``size`` owns in ``buf`` (distributed optimizer slices; an int64 array
+    by rank: the caller sums a rank's over its buffers and chunks before taking the most), each
     element of parameter ``p`` counted ``weight(p)`` times: per bucket the weights' running sum at the parameters'
     edges (a piecewise-linear function of the offset), read at every rank's slice ends at once; plus
     ``per_piece`` for each parameter a rank owns part of (fp16 moments' scales: one per owned slice)."""
@@ -145,7 +147,7 @@ def _owned(buf, size: int, weight=lambda p: 1, per_piece: int = 0) -> int:
         for s0, c, _ in spans if per_piece and n else ():
             if c:  # the ranks whose slice [offset + r n, offset + (r + 1) n) meets [s0, s0 + c)
                 total[(s0 - b.offset) // n:(s0 + c - 1 - b.offset) // n + 1] += per_piece
-    return int(total.max())
+    return total
 
 
 def _moments(optim, p=None) -> int:
@@ -247,8 +249,9 @@ def _state_bytes(settings, model_cfg, pp_rank: int) -> StateBytes:
     from omnitron.plan.optimizer_step import step_bytes
 
     params = grads = opt = step = 0
-    for module in chunks:
-        buffers = _buffers(module, ddp, dp_cp, edp)
+    owned: dict = {}  # replica-group size: bytes each of its ranks owns
+    for c, module in enumerate(chunks):
+        buffers = _buffers(module, ddp, dp_cp, edp, c == 0 and pp_rank == 0)
         step = max(step, step_bytes(settings, buffers, dist))
         for buf, size in buffers:
             dtype = buf.params[0].dtype
@@ -259,7 +262,12 @@ def _state_bytes(settings, model_cfg, pp_rank: int) -> StateBytes:
                 return moment_bytes(settings.optim, p) + master
 
             scales = scale_bytes(settings.optim)
-            opt += _owned(buf, size, per, scales) if dist else sum(per(p) * p.numel() + scales for p in buf.params)
+            if dist:  # NOTE: rank r owns slice r of every bucket of every chunk: the most of its sum, not the sum of
+                # each buffer's most (they differ once chunks are bucketed differently: Megatron's rule)
+                owned[size] = owned.get(size, 0) + _owned(buf, size, per, scales)
+            else:
+                opt += sum(per(p) * p.numel() + scales for p in buf.params)
+    opt += sum(int(v.max()) for v in owned.values())
     opt += _onebit_server_bytes(settings.optim, [p for module in chunks for p in module.parameters()], dp_cp)
     return StateBytes(params, grads, opt, step)
 

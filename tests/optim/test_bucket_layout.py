@@ -60,3 +60,44 @@ def test_distributed_optimizer_layout_and_shards_are_megatrons(case):
                      plans, 0, False)
         got = [sorted([slices[j].param, slices[j].lo, slices[j].hi, off] for j, off in plan.slices) for plan in plans]
         assert got == want, rank
+
+
+with open(os.path.join(HERE, "rule.json")) as f:
+    RULE = json.load(f)["cases"]
+
+
+class _Group:
+    """A replica group of ``size`` ranks seen from its rank 0 (the layout does not depend on the rank)."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.rank, self.handle = size, 0, None
+
+    def global_rank(self, r: int) -> int:
+        return r
+
+
+@pytest.mark.parametrize("case", RULE, ids=[f"rule{i}" for i in range(len(RULE))])
+def test_bucket_size_rule_is_megatrons(case):
+    """Megatron's bucket-size rule (``rule.json``: training.py's resolve_ddp_bucket_size and DDP's constructor with
+    get_model's disable_bucketing): buckets of --ddp-bucket-size (default max(40M, 1M x dp)) only with
+    --overlap-grad-reduce, only in the first model chunk of the first pipeline stage; one bucket per buffer
+    otherwise. The wrappers :func:`wrap_data_parallel` builds for a pipeline rank's chunks hold Megatron's
+    buckets and offsets, chunk by chunk."""
+    from omnitron.core.parallel.data.config import DataParallelConfig
+    from omnitron.core.training.components import wrap_data_parallel
+
+    dp = case["dp"]
+    ddp = DataParallelConfig(overlap_grad_reduce=case["overlap_grad_reduce"], bucket_size=case["ddp_bucket_size"],
+                             use_distributed_optimizer=case["use_distributed_optimizer"])
+    groups = types.SimpleNamespace(dp_cp=_Group(dp), edp=_Group(dp), pp=types.SimpleNamespace(
+        rank=case["pp_rank"], size=case["pp_rank"] + 1), collectives=types.SimpleNamespace(broadcast=lambda *a, **k: None))
+    chunks = [torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n)) for n in sizes]) for sizes in case["chunks"]]
+    wrapped = wrap_data_parallel(chunks, types.SimpleNamespace(ddp=ddp), groups, None)
+    for c, (chunk, ddp_chunk, want) in enumerate(zip(chunks, wrapped, case["megatron"])):
+        (buf,) = ddp_chunk.buffers
+        got = [[b.offset, b.offset + b.data.numel()] + ([b.numel_unpadded] if ddp.use_distributed_optimizer else [])
+               for b in buf.buckets]
+        assert got == want["buckets"], (c, want["bucket_size"])
+        for p, (start, end, bucket) in zip(chunk, want["params"]):
+            assert buf.param_range(p) == (start, end - start)
+            assert buf.bucket_of[id(p)] is buf.buckets[bucket]

@@ -120,8 +120,8 @@ def _deferred(overlap: bool) -> dict:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
                                 torch.nn.Linear(16, 3)).to(be.device(), torch.bfloat16)
     ddp = DistributedDataParallel(model, groups, DataParallelConfig(
-        use_distributed_optimizer=True, overlap_param_gather=overlap, bucket_size=50,
-        accumulate_allreduce_grads_in_fp32=True), collectives=be.collectives)
+        use_distributed_optimizer=True, overlap_param_gather=overlap, bucket_size=50, overlap_grad_reduce=True,
+        accumulate_allreduce_grads_in_fp32=True), collectives=be.collectives)  # buckets need --overlap-grad-reduce
     lazy = _LazyGather(be.collectives)
     shim = types.SimpleNamespace(collectives=lazy, kernels=be.kernels, current_device=be.current_device)
     opt = DistributedOptimizer(list(model.named_parameters()), OptimizerConfig(lr=1e-2, weight_decay=0.1), groups,

@@ -118,7 +118,8 @@ def test_one_bucket_is_reduced_after_the_backward(tmp_path, constant_rates):
     (chunk,) = skeleton(cfg, s.parallel, 0)
     named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad][::-1]  # backward order
     tied = {id(p) for p in chunk.shared_embedding_parameters()}
-    buf = GradBuffer([p for _, p in named], torch.float32, bucket_elements(s.ddp, 2), 2, frozenset(tied))
+    buf = GradBuffer([p for _, p in named], torch.float32, bucket_elements(s.ddp, 2, overlap=True), 2,
+                    frozenset(tied))
     names = {id(p): n for n, p in named}
     last = ("embedding", "decoder.layers.0.")
     assert buf.buckets and all(any(names[id(p)].startswith(last) for p in b.params) for b in buf.buckets), \

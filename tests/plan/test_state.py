@@ -45,13 +45,14 @@ def _predicted(args: list[str], world: int, pp_rank: int) -> tuple[int, int, int
     return st.params, st.grads, st.optimizer
 
 
+BUCKETS = ["--overlap-grad-reduce", "--ddp-bucket-size"]  # small buckets (Megatron's: only with overlap)
 ONE = {"fp32": [], "bf16": ["--bf16"], "fp16_sgd": ["--fp16", "--optimizer", "sgd"],
-       "bf16_distopt_small_buckets": ["--bf16", "--use-distributed-optimizer", "--ddp-bucket-size", "3000"],
+       "bf16_distopt_small_buckets": ["--bf16", "--use-distributed-optimizer", *BUCKETS, "3000"],
        "bf16_muon_distopt": ["--bf16", "--optimizer", "muon", "--use-distributed-optimizer"],
        "fp16_moments": ["--bf16", "--use-distributed-optimizer", "--use-precision-aware-optimizer", "--exp-avg-dtype",
                         "fp16", "--exp-avg-sq-dtype", "fp16"],
        "bf16_moments_distopt": ["--bf16", "--use-distributed-optimizer", "--use-precision-aware-optimizer",
-                                "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16", "--ddp-bucket-size", "3000"]}
+                                "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16", *BUCKETS, "3000"]}
 
 
 @pytest.mark.parametrize("name", list(ONE))
@@ -62,27 +63,27 @@ def test_one_process_exact(name, tmp_path):
 
 
 FOUR = {"tp2_pp2_bf16": (2, 2, ["--bf16", "--sequence-parallel"]),
-        "pp2_dp2_distopt": (1, 2, ["--bf16", "--use-distributed-optimizer", "--ddp-bucket-size", "3000",
+        "pp2_dp2_distopt": (1, 2, ["--bf16", "--use-distributed-optimizer", *BUCKETS, "3000",
                                    "--global-batch-size", "4"]),
-        "dp4_distopt_fp32": (1, 1, ["--use-distributed-optimizer", "--ddp-bucket-size", "1000",
+        "dp4_distopt_fp32": (1, 1, ["--use-distributed-optimizer", *BUCKETS, "1000",
                                     "--global-batch-size", "4"]),
         # fp32 weights are their own masters; only the moments (exp_avg bf16, exp_avg_sq fp32) are stored
-        "dp4_distopt_bf16_exp_avg": (1, 1, ["--use-distributed-optimizer", "--ddp-bucket-size", "1000",
+        "dp4_distopt_bf16_exp_avg": (1, 1, ["--use-distributed-optimizer", *BUCKETS, "1000",
                                             "--global-batch-size", "4", "--use-precision-aware-optimizer",
                                             "--exp-avg-dtype", "bf16"]),
         # fp16 moments: one fp32 scale per owned slice (parameters straddling the small buckets' shards count twice)
-        "pp2_dp2_distopt_fp16_moments": (1, 2, ["--bf16", "--use-distributed-optimizer", "--ddp-bucket-size", "3000",
+        "pp2_dp2_distopt_fp16_moments": (1, 2, ["--bf16", "--use-distributed-optimizer", *BUCKETS, "3000",
                                                 "--global-batch-size", "4", "--use-precision-aware-optimizer",
                                                 "--exp-avg-dtype", "fp16", "--exp-avg-sq-dtype", "fp16"]),
         # the V placement: rank 0 holds the embedding, the head's tied copy and layers 0 and 3
         "pp2_dp2_zb_v_distopt": (1, 2, ["--pipeline-schedule", "zb-v", "--num-layers-per-virtual-pipeline-stage", "1",
-                                        "--bf16", "--use-distributed-optimizer", "--ddp-bucket-size", "3000",
+                                        "--bf16", "--use-distributed-optimizer", *BUCKETS, "3000",
                                         "--global-batch-size", "4"]),
         # the embedding and the loss counted as layers: 6 slots at pp2 x vpp3, the end chunks hold no layer
         "pp2_dp2_account_vp3_distopt": (1, 2, ["--account-for-embedding-in-pipeline-split",
                                                "--account-for-loss-in-pipeline-split",
                                                "--num-layers-per-virtual-pipeline-stage", "1", "--bf16",
-                                               "--use-distributed-optimizer", "--ddp-bucket-size", "3000",
+                                               "--use-distributed-optimizer", *BUCKETS, "3000",
                                                "--global-batch-size", "4"])}
 
 
@@ -204,7 +205,7 @@ def held(args: list[str], world: int, float64: bool = False) -> tuple[int, tuple
 
 F64 = {"one": (1, []), "sgd": (1, ["--optimizer", "sgd"]),
        "fp32_accumulation": (1, ["--accumulate-allreduce-grads-in-fp32"]),
-       "dp2_distopt": (2, ["--use-distributed-optimizer", "--ddp-bucket-size", "1000", "--global-batch-size", "2"]),
+       "dp2_distopt": (2, ["--use-distributed-optimizer", *BUCKETS, "1000", "--global-batch-size", "2"]),
        "dp2_fsdp2": (2, ["--use-torch-fsdp2", "--global-batch-size", "2"])}
 
 

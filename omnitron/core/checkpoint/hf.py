@@ -289,18 +289,22 @@ def check_shapes(full: dict, cfg, config: str) -> None:
 
 
 def write_weights_checkpoint(full: dict, cfg, save_dir: str, layout, *, config: dict | None = None,
-                             **meta) -> str:
+                             optimizer: tuple[dict, dict] | None = None, **meta) -> str:
     """An omnitron checkpoint (iteration 0) of the full model state ``full`` of ``cfg`` in ``layout``.
 
     The shards' optimizer state is ``{"weights_only": True}`` (no moments, no step): training from
     it starts at iteration 0 with a fresh optimizer, as ``--finetune`` does. ``config`` adds run
-    settings (the tokenizer) to the metadata's flat config; ``meta`` adds metadata keys."""
+    settings (the tokenizer) to the metadata's flat config; ``meta`` adds metadata keys. ``optimizer``: the
+    imported optimizer's ``(state, meta)`` instead (full-state moments by name, e.g. ``{"exp_avg": {...},
+    "exp_avg_sq": {...}, "master": {...}}``, and ``{"step": n, "optimizer": "adam"}``): training then resumes
+    those moments (the learning-rate schedule, holding none, is the command line's from its start)."""
     from omnitron.core.checkpoint.io import write_checkpoint
     from omnitron.core.checkpoint.reshard import FullState, rank_shard, skeleton_chunks
     from omnitron.core.parallel.grid import coord_of
     from omnitron.core.training.checkpointing import model_dict
 
-    state = FullState(model=full, optimizer={}, optimizer_meta={"weights_only": True}, scheduler={}, meta={})
+    opt, opt_meta = optimizer or ({}, {"weights_only": True})
+    state = FullState(model=full, optimizer=opt, optimizer_meta=opt_meta, scheduler={}, meta={})
     skeletons = skeleton_chunks(cfg, layout)  # ConfigError naming the flag when the model does not split
     pc = layout.parallel_config()
 
@@ -312,6 +316,8 @@ def write_weights_checkpoint(full: dict, cfg, save_dir: str, layout, *, config: 
     flat = {k: v for k, v in model_dict(cfg).items() if k not in ("vocab_size", "params_dtype")}
     flat.update(config or {}, tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp)
     meta.update(consumed_samples=0, model=model_dict(cfg), layout=layout.to_dict(), config=flat)
+    if optimizer:  # as a training checkpoint's metadata records its optimizer
+        meta.update(optimizer=opt_meta)
     return write_checkpoint(save_dir, 0, shards(), meta, world_size=layout.world_size)
 
 

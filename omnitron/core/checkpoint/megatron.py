@@ -9,8 +9,10 @@ Megatron's per-rank ("legacy torch") layout::
 Each file is a ``torch.save`` dict: ``model`` (``model0``, ``model1``, ... under the interleaved
 schedule) holds the Megatron-Core ``GPTModel`` state dict of that tensor rank TT and pipeline
 rank PPP, with layers numbered locally per stage chunk; ``args`` the run's argparse Namespace;
-``iteration``; ``checkpoint_version`` (3.0); plus optimizer / RNG state, which is not read
-(optimizer state does not carry over: an import is weights only, like ``import-hf``).
+``iteration``; ``checkpoint_version`` (3.0); plus optimizer / RNG state. RNG state is not read; the optimizer's
+is where a run with ``--use-distributed-optimizer`` saved ``distrib_optim.pt`` beside each rank's file (its Adam
+moments and fp32 masters: :mod:`~omnitron.core.checkpoint.megatron_optim`; the step count from the
+``optimizer`` entry here); otherwise an import is weights only, like ``import-hf``.
 
 What the mapping absorbs (Megatron-Core's conventions; omnitron names tensors the same way):
 
@@ -470,11 +472,13 @@ def _with_saved_router_bias(cfg, names):
 
 def import_megatron(load: str, save_dir: str, layout, *, vocab_size: int | None = None) -> str:
     """Write the Megatron checkpoint ``load`` (a ``--save`` directory or an ``iter_N`` one) as an
-    omnitron checkpoint (iteration 0, weights only) in ``layout``; returns its directory.
+    omnitron checkpoint (iteration 0; weights only, or with the Adam state of its ``distrib_optim.pt`` files:
+    :func:`_optimizer_state`) in ``layout``; returns its directory.
     ``vocab_size`` overrides :func:`real_vocab_size` (the rows of the padded vocabulary to keep)."""
     from omnitron.core.checkpoint.hf import write_weights_checkpoint
 
     iter_dir = resolve_dir(load)
+    optimizer = None  # weights only, unless a --ckpt-format torch run saved its distrib_optim.pt
     if megatron_dist.is_torch_dist(iter_dir):
         fmt, (args, tensors) = "torch_dist", megatron_dist.read(iter_dir)
         dtype = tensors.get("embedding.word_embeddings.weight", next(iter(tensors.values()))).dtype
@@ -495,12 +499,35 @@ def import_megatron(load: str, save_dir: str, layout, *, vocab_size: int | None 
                                           f"with --ckpt-format torch_dist or at tp 1")
         whole = tp > 1 and int(args.get("expert_tensor_parallel_size") or tp) == 1
         full = state_from_megatron(shards, cfg, iter_dir, whole_experts=whole)
+        optimizer = _optimizer_state(iter_dir, args, shards, cfg, whole)
         del shards
     source = {"megatron_dir": os.path.abspath(iter_dir), "iteration": args.get("iteration"), "ckpt_format": fmt,
               "tensor_model_parallel_size": args.get("tensor_model_parallel_size", 1),
               "pipeline_model_parallel_size": args.get("pipeline_model_parallel_size", 1)}
     return write_weights_checkpoint(full, cfg, save_dir, layout, config=_tokenizer_settings(args, cfg),
-                                    imported_from=source)
+                                    optimizer=optimizer, imported_from=source)
+
+
+def _optimizer_state(iter_dir: str, args: dict, shards: dict, cfg, whole: bool) -> tuple[dict, dict] | None:
+    """The distributed optimizer's Adam state of a ``--ckpt-format torch`` checkpoint (every rank's
+    ``distrib_optim.pt``: :mod:`~omnitron.core.checkpoint.megatron_optim`) as full-state moments and fp32 masters by
+    omnitron name, with the step count of rank 0's ``model_optim_rng.pt``; None without those files."""
+    from omnitron.core.checkpoint.megatron_optim import read_rank_moments
+
+    per_rank = read_rank_moments(iter_dir, args, shards, rank_dir)
+    if per_rank is None:
+        return None
+    path = os.path.join(iter_dir, rank_dir(0, 0, int(args.get("pipeline_model_parallel_size") or 1)), FILE)
+    groups = ((checkpoint_dict(load_file(path), path).get("optimizer") or {}).get("optimizer") or {}).get(
+        "param_groups") or [{}]
+    steps = {g.get("step") for g in groups if isinstance(g, dict)} - {None}
+    if len(steps) != 1 or not all(isinstance(s, (int, float)) or torch.is_tensor(s) for s in steps):
+        raise MegatronConversionError(f"{path}: its optimizer's param_groups record no single Adam step count "
+                                      f"({sorted(map(str, steps))}); import the weights only by removing the "
+                                      f"distrib_optim.pt files")
+    state = {"master" if key == "param" else key: state_from_megatron(d, cfg, iter_dir, whole_experts=whole)
+             for key, d in per_rank.items()}
+    return state, {"step": int(next(iter(steps))), "optimizer": "adam"}
 
 
 def export_megatron(path: str, out_dir: str, tp: int, pp: int, *, transformer_impl: str = "transformer_engine",

@@ -326,7 +326,11 @@ def load(c) -> bool:
             c.optimizer.load_state_dict(shard["optimizer"])
         keep = "command line" if ck.override_opt_param_scheduler else \
             "checkpoint" if ck.use_checkpoint_opt_param_scheduler else None
-        for line in c.scheduler.load_state_dict(shard["scheduler"], keep):
+        # NOTE: an import with its optimizer's moments (import-megatron of a distrib_optim.pt) holds no schedule
+        lines = c.scheduler.load_state_dict(shard["scheduler"], keep) if shard["scheduler"] else \
+            ["the checkpoint holds no learning-rate schedule (imported with its optimizer state): this command "
+             "line's, from its start"]
+        for line in lines:
             if c.groups.rank == 0:
                 log.info("--load %s: %s", path, line)
     if not ck.no_load_rng and "rng" in shard:

@@ -117,7 +117,9 @@ def wrap_data_parallel(modules: list[GPTModel], settings, groups, backend):
                                          reduce_every_microbatch=settings.ddp.fsdp2_reduce_every_microbatch,
                                          fp8_scales=scales)
                 for m in modules]
-    return [DistributedDataParallel(m, groups, settings.ddp) for m in modules]
+    # NOTE: Megatron buckets the first chunk of the first pipeline stage only (get_model's disable_bucketing)
+    return [DistributedDataParallel(m, groups, settings.ddp, bucketing=i == 0 and groups.pp.rank == 0)
+            for i, m in enumerate(modules)]
 
 
 def fp8_weight_scales(settings, groups, backend):

@@ -20,7 +20,9 @@ class DataParallelConfig:
     """--grad-reduce-in-bf16: with --bf16, accumulate and reduce gradients in bfloat16 (Megatron's switch: it then
     leaves --accumulate-allreduce-grads-in-fp32 off, halving the gradient buffers and the reduction's bytes)."""
     bucket_size: int | None = None
-    """--ddp-bucket-size: elements per bucket; None picks max(40M, 1M x dp)."""
+    """--ddp-bucket-size: elements per bucket with --overlap-grad-reduce (None picks max(40M, 1M x dp)); as in
+    Megatron, without --overlap-grad-reduce, and in a chunk after the first or a stage after the first, a buffer is
+    one bucket (:func:`bucket_elements`)."""
     reduce_scatter: bool = False
     """Reduce-scatter each bucket instead of all-reducing it (for a distributed optimizer): afterwards
     only this rank's shard of every bucket (``Bucket.shard``) holds the reduced gradient."""
@@ -110,7 +112,14 @@ def check_fsdp2(ddp: DataParallelConfig | None, *, family: str, model, parallel,
             raise ConfigError(f"--use-torch-fsdp2 with {what}: {fix}")
 
 
-def bucket_elements(config: DataParallelConfig | None, group_size: int) -> int:
-    """Elements per gradient bucket for a replica group of ``group_size``: ``--ddp-bucket-size``, else
-    Megatron's max(40M, 1M x group) (the wrapper's rule, and the plan's, which mirrors it)."""
+def bucket_elements(config: DataParallelConfig | None, group_size: int, *, bucketing: bool = True,
+                    overlap: bool | None = None) -> int | None:
+    """Elements per gradient bucket for a replica group of ``group_size``, Megatron's rule (training.py's
+    ``resolve_ddp_bucket_size`` and ``get_model``; the wrapper's, and the plan's, which mirrors it): None -- one
+    bucket per buffer -- without --overlap-grad-reduce (``overlap``, default the config's: nothing to overlap) and
+    where ``bucketing`` is off (a model chunk after the first, any chunk of a pipeline stage after the first: their
+    reductions are off the critical path); else ``--ddp-bucket-size``, else max(40M, 1M x group)."""
+    overlap = bool(config and config.overlap_grad_reduce) if overlap is None else overlap
+    if not (overlap and bucketing):
+        return None
     return (config.bucket_size if config else None) or max(40_000_000, 1_000_000 * group_size)

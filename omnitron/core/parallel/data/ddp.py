@@ -31,7 +31,9 @@ class DistributedDataParallel(ChunkWrapper):
     """Wrap one model chunk; ``forward`` is the chunk's. Unknown attributes fall through to it."""
 
     def __init__(self, module: torch.nn.Module, groups, config: DataParallelConfig | None = None,
-                 collectives=None) -> None:
+                 collectives=None, *, bucketing: bool = True) -> None:
+        """``bucketing`` False: one bucket per buffer (Megatron's ``disable_bucketing``: a model chunk after the
+        first, a pipeline stage after the first; :func:`~omnitron.core.parallel.data.config.bucket_elements`)."""
         super().__init__(module)
         self.config = config or DataParallelConfig()
         self.group = groups.dp_cp
@@ -42,7 +44,7 @@ class DistributedDataParallel(ChunkWrapper):
         """False: leave each rank's local gradient in ``main_grad`` (no pre-division, no collective): 1-bit
         Adam's compressed stage, which averages the momentum instead (set by the step, from the optimizer)."""
         size = self.group.size
-        bucket_size = bucket_elements(self.config, size)
+        bucket_size = bucket_elements(self.config, size, bucketing=bucketing)
         params = [p for p in module.parameters() if p.requires_grad][::-1]  # backward order
         by_dtype: dict[tuple, list] = {}
         for p in params:
