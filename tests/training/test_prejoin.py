@@ -17,6 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from omnitron.core.training import prejoin, workers
+from omnitron.testing.ports import free_port
 
 POLL_S = workers.STARTUP_POLL_S
 """The wait's longest pause between its checks: a failure or signal is seen within one (plus a loaded machine's
@@ -229,9 +230,7 @@ def test_two_nodes_peer_of_a_failed_rank_exits_promptly(tmp_path, how, rendezvou
     script = tmp_path / "ranks.py"
     script.write_text(RANK_SCRIPT)
     flag, env = _rank0_marks_its_wait(tmp_path)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
 
     def where(node: int) -> list[str]:
         if rendezvous == "static":
