@@ -36,7 +36,7 @@ CONNECT_S = 5.0
 """How long the watcher tries to connect to its peer's lifeline; a peer it cannot reach is not watched."""
 STORE_S = 300.0
 """The watcher's store client's wait for the store (torchrun's agent hosts it: up before any rank starts; rank 0,
-where the agent does not share its store, only from its join: as long as the join waits)."""
+where the agent does not share its store, from its lifeline on: its start, :func:`prejoin.hosted_store`)."""
 
 
 class Lifeline:
@@ -63,7 +63,7 @@ class Lifeline:
         try:
             family, address = _own_address()
             self.listener = socket.create_server(("", 0), family=family, backlog=16)  # never accepted: see _gone
-            store = prejoin.job_store(STORE_S)
+            store = prejoin.job_store(STORE_S, self.rank)  # rank 0 hosting the job's store: hosts it from here
             where = {"host": address, "port": self.listener.getsockname()[1], "info": self.info}
             store.set(f"lifeline/{self.rank}", json.dumps(where))
             self.posted.set()
