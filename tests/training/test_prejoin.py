@@ -314,6 +314,9 @@ if os.environ["RANK"] == fails and how.startswith("rank 0 "):  # in its checks, 
 elif os.environ["RANK"] == fails:
     while not os.path.exists(sys.argv[2]):  # rank 0 is waiting in the join
         time.sleep(0.05)
+    if how == "killed at start":  # before omnitron's command starts: no lifeline, no word
+        import signal
+        os.kill(os.getpid(), signal.SIGKILL)
     if how == "crashed":
         time.sleep(1.0)  # rank 0's census of its siblings is taken as its wait starts
         os._exit(3)
@@ -331,14 +334,16 @@ sys.exit(main(args))
 """
 
 
-def _rank_marks_its_wait(tmp_path, waiter: int = 0):
+def _rank_marks_its_wait(tmp_path, waiter: int = 0, join_s: float | None = None):
     """(the flag file, the ranks' environment): rank ``waiter`` marks its arrival in the join (a file, through a
-    sitecustomize on the path), so its peer fails then and not while ``waiter`` still imports."""
+    sitecustomize on the path), so its peer fails then and not while ``waiter`` still imports; ``join_s``: its join
+    wait, in place of the 300 s of JOIN_TIMEOUT_S."""
     flag, site = tmp_path / "waits", tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(
         f"import os\nif os.environ.get('RANK') == '{waiter}':\n"
         "    from omnitron.core.training import workers\n    real = workers._wait_for_arrivals\n"
+        + (f"    workers.JOIN_TIMEOUT_S = {join_s!r}\n" if join_s is not None else "") +
         f"    def wait(*a, **k):\n        open({str(flag)!r}, 'w').close()\n        return real(*a, **k)\n"
         "    workers._wait_for_arrivals = wait\n")
     return flag, dict(os.environ, OMNITRON_KERNELS="reference",
@@ -369,24 +374,27 @@ def test_torchrun_peer_of_a_failed_rank_exits_promptly(tmp_path, how):
     assert took < 60, took  # imports on a loaded 2-core machine; the SIGKILL path took 30 s more than this run
 
 
-def _two_agents(tmp_path, how: str, rendezvous: str, waiter: int) -> tuple[dict, dict, list]:
+def _two_agents(tmp_path, how: str, rendezvous: str, waiter: int, join_s: float | None = None
+                ) -> tuple[dict, dict, list]:
     """Two torchrun agents on the loopback (one rank each) running RANK_SCRIPT ``how``, rank ``waiter`` marking its
     join wait: ``({node: output}, {node: when it ended}, agents)``, each agent's end in the order they come (150 s
     after the first: the wait they replace is 300 s). The store: the static rendezvous's, hosted by node 0's agent,
     or rank 0's (a c10d rendezvous told not to share its store; either node may then hold rank 0)."""
     script = tmp_path / "ranks.py"
     script.write_text(RANK_SCRIPT)
-    flag, env = _rank_marks_its_wait(tmp_path, waiter)
+    flag, env = _rank_marks_its_wait(tmp_path, waiter, join_s)
     port = free_port()
 
     def where(node: int) -> list[str]:
         if rendezvous == "static":
             return ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)]
-        # the nodes' ranks are given in the order they join: either node may hold rank 1
+        # c10d (sharing its store with the ranks, or not): the nodes' ranks are given in the order they join
         return ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two"]
 
-    if rendezvous != "static":
+    if rendezvous == "rank 0's store":
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    if join_s is not None:  # the join waits max(collective timeout, JOIN_TIMEOUT_S): the first, 6 s
+        env["OMNITRON_DISTRIBUTED_TIMEOUT_S"] = "6"
     logs = [open(tmp_path / f"agent{node}.out", "w") for node in (0, 1)]  # a full pipe would stall an agent
     agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", *where(node),
                                 "--nproc-per-node", "1", "--monitor-interval", "0.1", str(script),
@@ -460,3 +468,24 @@ def test_two_nodes_peer_of_a_failed_rank_0_hosting_the_store_exits_promptly(tmp_
             out1[-3000:]
     assert f"rank 1: lost a peer ({said}" in out1 and agents[waited].returncode == 1, out1[-3000:]
     assert took < 30, took  # the wait it replaced is 300 s
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+def test_two_nodes_a_rank_killed_before_its_lifeline_is_named_when_the_join_wait_ends(tmp_path, rendezvous):
+    """The documented limit (lifeline.py): rank 1, on the other node, SIGKILLed before omnitron's command starts (no
+    lifeline yet, not a word). Its agent stops and exits; nothing reaches rank 0 (the static rendezvous writes
+    nothing; c10d's closes the rendezvous, which rank 0's agent does not act on), so rank 0 stops when its join wait
+    ends (here 20 s instead of 300), naming rank 1. Under c10d the store is hosted by the agent that started first:
+    where that was rank 1's, rank 0 stops as the store goes, in the line that says so."""
+    join_s = 20.0
+    outs, ended, agents = _two_agents(tmp_path, "killed at start", rendezvous, waiter=0, join_s=join_s)
+    timed_out = f"rank 1 did not join the job within {join_s:.0f} s"
+    gone = "rank 0: lost a peer (the job's store is gone ("
+    waited = next((n for n in outs if timed_out in outs[n] or gone in outs[n]), None)
+    assert waited is not None, outs
+    out0, out1 = outs[waited], outs[1 - waited]
+    assert "Signal 9 (SIGKILL)" in out1 or "exitcode  : -9" in out1, out1[-3000:]
+    assert agents[waited].returncode == 1, out0[-3000:]
+    if rendezvous == "static":  # node 0's agent hosts the store: only the join wait ends it
+        assert timed_out in out0, out0[-3000:]

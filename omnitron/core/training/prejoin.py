@@ -7,10 +7,11 @@ stop flag takes for "stop after this iteration" (a preemption during start-up st
 first iteration): the wait went on for 30 s, until the agent's SIGKILL; on another node, whose agent sends nothing,
 up to the 300 s join wait. Now the refused rank posts its one line to the job's store (:func:`announce_failure`;
 torchrun's agent hosts the store, so it is up whatever rank failed; or rank 0, where the agent does not share its
-store, which rank 0 then hosts without waiting for every client), and every waiting rank, on any node, stops
-within a poll naming it (:func:`check_abandoned`). A sibling on the same host that exits without a word (a crash)
-is seen by the census of :class:`omnitron.core.training.workers._LocalSiblings`; a rank on any node that dies
-without a word, by the peer holding its lifeline (:mod:`omnitron.core.training.lifeline`), which posts it here.
+store, which rank 0 then hosts from its start, :func:`hosted_store`, and keeps up, refused itself, until its peers
+have read its line), and every waiting rank, on any node, stops within a poll naming it (:func:`check_abandoned`).
+A sibling on the same host that exits without a word (a crash) is seen by the census of
+:class:`omnitron.core.training.workers._LocalSiblings`; a rank on any node that dies without a word, by the peer
+holding its lifeline (:mod:`omnitron.core.training.lifeline`), which posts it here.
 """
 from __future__ import annotations
 
