@@ -277,6 +277,38 @@ def test_a_rank_0_that_never_hosts_the_store_is_named(rank0_store, monkeypatch):
                                   "node's log")
 
 
+AGENT = """
+import datetime, sys, time
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, 2, True, datetime.timedelta(seconds=60), wait_for_workers=False)
+print(store.port, flush=True)
+time.sleep(120)
+"""
+
+
+def test_the_end_of_torchruns_store_under_the_wait_is_said(monkeypatch):
+    """The agent hosting the store (another process, as on another node) is killed while rank 1 waits in the join:
+    rank 1 stops within a poll naming the agent's address (before: torch's "Connection reset by peer", no host)."""
+    agent = subprocess.Popen([sys.executable, "-c", AGENT], stdout=subprocess.PIPE, text=True)
+    try:
+        port = agent.stdout.readline().strip()
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+        monkeypatch.delenv(workers.HOSTED_STORE_ENV, raising=False)
+        for k, v in dict(TORCHELASTIC_USE_AGENT_STORE="True", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                         WORLD_SIZE="2", RANK="1").items():
+            monkeypatch.setenv(k, v)
+        store = workers._join_store(1.0, 1)
+        threading.Timer(0.5, agent.kill).start()
+        t0 = time.monotonic()
+        with pytest.raises(prejoin.PeerNeverJoined, match=f"^the job's store is gone \\(.*\\): its host, the torchrun "
+                           f"agent at 127.0.0.1:{port}, ended before every rank joined; that node's log says why$"):
+            workers._wait_for_arrivals(store, 2, 1.0)
+        assert time.monotonic() - t0 < 0.5 + POLL_S + 2.0
+    finally:
+        agent.kill()
+        agent.wait()
+
+
 def test_rank_0s_early_store_is_the_one_its_join_opens(rank0_store, monkeypatch):
     """Rank 0 hosts the store from its lifeline; its join's store (hosted too) shares that server, not a second
     bind of the port (EADDRINUSE): a key set through one is read through the other and by a client."""

@@ -27,7 +27,7 @@ exits, and the other nodes' agents hear nothing (the static rendezvous writes no
 closed in its store, but the other agents' monitoring asks only for nodes waiting to join, and the state is a
 pickle, which the ranks do not read). Where the dead rank's node hosted the store (node 0's agent under a static
 rendezvous, rank 0 where it hosts it), its peers' store calls fail as it goes, said in one line
-(:func:`omnitron.core.training.workers._store_gone`). The connection needs what gloo and NCCL need between nodes
+(:func:`omnitron.core.training.prejoin.store_gone`). The connection needs what gloo and NCCL need between nodes
 anyway: any port of one rank's host reachable from another's.
 """
 from __future__ import annotations

@@ -130,3 +130,17 @@ def check_abandoned(store, rank: int | None = None) -> None:
         if rank is not None:
             store.set(f"read/{rank}", "1")
         raise PeerNeverJoined(f"rank {first} failed before joining the job: {line}")
+
+
+def store_gone(err: BaseException, launcher: bool) -> str:
+    """The line for a store that failed under a rank waiting in the join: its host ended (``launcher``: the
+    ``--nproc-per-node`` launcher; else rank 0, or the torchrun agent hosting the rendezvous: node 0's under a static
+    one, any node's under c10d)."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if launcher:
+        return f"the job's store is gone ({first}): its host, the launcher, ended before every rank joined"
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # the agent hosting the rendezvous (c10d: any node)
+        return (f"the job's store is gone ({first}): its host, the torchrun agent at {os.environ.get('MASTER_ADDR')}:"
+                f"{os.environ.get('MASTER_PORT')}, ended before every rank joined; that node's log says why")
+    return (f"the job's store is gone ({first}): its host, rank 0, ended before every rank joined; rank 0's node's "
+            "log says why")

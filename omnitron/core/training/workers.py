@@ -121,19 +121,6 @@ def _join_store(timeout: float, rank: int):
                               "node's log") from None
 
 
-def _store_gone(err: BaseException) -> str:
-    """The line for a store that failed under a rank waiting in the join: its host ended (rank 0, the launcher, or
-    the torchrun agent hosting the rendezvous: node 0's under a static one, any node's under c10d)."""
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    if os.environ.get(HOSTED_STORE_ENV) == "1":
-        return f"the job's store is gone ({first}): its host, the launcher, ended before every rank joined"
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # the agent hosting the rendezvous (c10d: any node)
-        return (f"the job's store is gone ({first}): its host, the torchrun agent at {os.environ.get('MASTER_ADDR')}:"
-                f"{os.environ.get('MASTER_PORT')}, ended before every rank joined; that node's log says why")
-    return (f"the job's store is gone ({first}): its host, rank 0, ended before every rank joined; rank 0's node's "
-            "log says why")
-
-
 def _cpu(pid: int) -> tuple[str, int] | None:
     """``(state, utime + stime in clock ticks)`` of a process (Linux ``/proc``; None elsewhere or when gone)."""
     try:
@@ -204,15 +191,15 @@ def _wait_for_arrivals(store, world: int, timeout: float) -> None:
     (:class:`_LocalSiblings`); a rank refused before joining, or dead before joining (its lifeline's watcher
     posts it: :mod:`omnitron.core.training.lifeline`), on any node, ends the wait within a poll
     (:func:`prejoin.check_abandoned`). A store call that fails (its host ended: rank 0, where it hosts the store,
-    or the torchrun agent that does) stops the wait in one line (:func:`_store_gone`)."""
+    or the torchrun agent that does) stops the wait in one line (:func:`prejoin.store_gone`)."""
     import torch.distributed as dist
 
     try:
         _arrivals_loop(store, world, timeout)
     except dist.DistError as err:  # a store call failed: its server ended (rank 0, or the agent hosting it)
-        from omnitron.core.training.prejoin import PeerNeverJoined
+        from omnitron.core.training.prejoin import PeerNeverJoined, store_gone
 
-        raise PeerNeverJoined(_store_gone(err)) from None
+        raise PeerNeverJoined(store_gone(err, os.environ.get(HOSTED_STORE_ENV) == "1")) from None
 
 
 def _arrivals_loop(store, world: int, timeout: float) -> None:
