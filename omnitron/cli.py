@@ -32,9 +32,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+JOBS = ("train", "generate", "serve")
+"""The commands whose torchrun ranks join a job: each holds its lifeline from here (:func:`main`)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     early = argv is None and sys.argv[1:2] == ["train"]  # the program itself (not a caller's in-process call)
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] and argv[0] in JOBS:
+        from omnitron.core.training import lifeline
+
+        # NOTE: first, before the parser imports every command (torch among them): a rank killed from here on is
+        # named on every node within a poll (lifeline.py); one killed before waits out its peers' join wait
+        lifeline.hold()
     if not early:
         return _main(argv)
     from omnitron.core.training import signals

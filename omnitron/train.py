@@ -7,6 +7,9 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from omnitron.core.training import lifeline
+
+    lifeline.hold()  # first, as ``omnitron train`` does (omnitron.cli.main)
     from omnitron.core.config.parser import Parser
     from omnitron.commands.train import main_from_dict
     from omnitron.core.training.arguments import add_arguments

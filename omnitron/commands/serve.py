@@ -49,7 +49,8 @@ def add_layout_flags(p) -> None:
 def sharded_world(args, command: str) -> int | None:
     """The job's world size when ``args`` ask for tp x ep x pp processes, None for one process; exits 2 (SystemExit)
     with one line when the process count does not match, or the checkpoint's model does not split over the
-    layout (an expert layout on a dense model, experts that ep does not divide, ...)."""
+    layout (an expert layout on a dense model, experts that ep does not divide, ...). A torchrun rank holds its
+    lifeline already (:data:`omnitron.cli.JOBS`): killed in these checks, it is named on every node."""
     import os
 
     from omnitron.core.config.parallel import ParallelConfig

@@ -222,9 +222,42 @@ def test_megatron_accepted_layouts(tmp_path, extra):
     assert parse_settings(_args(str(tmp_path), 2, (*OVERLAP, *extra)), 4).parallel.overlap_moe_expert_parallel_comm
 
 
+HANDOVER_LIMIT_S = 60.0
+"""The hand-over checks take milliseconds; a lost hand-over (a backward never resumed, an abort that waits on a
+helper that never ends) blocks for ever: past this, the test fails naming it (the 2-core CI machine's load can
+slow a thread switch by seconds, never by a minute)."""
+
+
+def _within_limit(check) -> None:
+    """Run ``check`` in a daemon thread; fail in a line if it has not ended within HANDOVER_LIMIT_S, else re-raise
+    its error."""
+    import threading
+
+    errors = []
+
+    def run():
+        try:
+            check()
+        except BaseException as err:  # noqa: BLE001  re-raised in the test's thread
+            errors.append(err)
+
+    thread = threading.Thread(target=run, name="combined-turns-check", daemon=True)
+    thread.start()
+    thread.join(HANDOVER_LIMIT_S)
+    if thread.is_alive():
+        pytest.fail(f"run_combined hung for {HANDOVER_LIMIT_S:.0f} s: a hand-over or an abort never came back "
+                    "(the pair's semaphores)", pytrace=False)
+    if errors:
+        raise errors[0]
+
+
 def test_run_combined_turns_and_errors():
     """The hand-over protocol alone: the backward starts, the two alternate at each hand-over, the forward's
     result comes back; a backward's error reaches the caller; a forward's error ends the paused backward."""
+    _within_limit(_check_combined_turns_and_errors)
+
+
+def _check_combined_turns_and_errors():
     import threading
 
     from omnitron.core.transformer.moe import overlap

@@ -23,6 +23,7 @@ from omnitron.commands import fits
 from omnitron.core.config.parallel import ConfigError, ParallelConfig
 from omnitron.core.parallel.grid import rank_grid
 from omnitron.core.training.arguments import parse_settings
+from omnitron.testing.ports import free_port
 from tests.training.test_model_fits import _argv, _hand_bytes
 
 
@@ -178,7 +179,7 @@ def test_the_line_is_said_when_local_rank_0_is_slow(tmp_path):
     import time
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
-               RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_PORT=str(random.randint(20000, 60000)),
+               RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_PORT=str(free_port()),
                TMPDIR=str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     for k in ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE"):

@@ -14,6 +14,7 @@ import pytest
 
 from omnitron.core.training import failures
 from omnitron.testing.faults import children, on_own_disk, private_mount_works, records, start, tiny_train_args
+from omnitron.testing.ports import free_port
 
 
 def test_a_lost_peer_is_named_under_torchrun(monkeypatch, tmp_path):
@@ -61,7 +62,7 @@ def test_kill_on_one_node_is_named_on_the_other(tmp_path):
     """Two torchrun agents as two nodes (one rank each, pipeline stages 0 and 1): node 1's rank is killed (-9)
     mid-training; node 0's torchrun report ends with a line naming rank 1 (fails without the census: "Connection
     reset by peer" alone). A 6 s timeout makes the census 1.25 s. About 30 s on 2 cores."""
-    port = str(random.randrange(20000, 60000))
+    port = str(free_port())
     env = {"OMNITRON_DISTRIBUTED_TIMEOUT_S": "6", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
     nodes = []
@@ -99,7 +100,7 @@ def test_a_rank_failing_on_one_node_is_named_with_its_cause_on_the_other(tmp_pat
     and that cause (its last heartbeat), where it said only "Connection closed by peer". About 30 s on 2 cores."""
     cache = tmp_path / "cache"
     cache.mkdir()
-    port = str(random.randrange(20000, 60000))
+    port = str(free_port())
     env = {"OMNITRON_DISTRIBUTED_TIMEOUT_S": "6", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
     args = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",

@@ -23,6 +23,7 @@ from omnitron.core.parallel.grid import rank_grid
 from omnitron.core.training.agreement import SEES_SAVE, SOFTWARE, canonical, check_same_settings, software
 from omnitron.core.training.arguments import parse_settings
 from omnitron.testing.faults import on_own_disk, private_mount_works
+from omnitron.testing.ports import free_port
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200",
@@ -136,7 +137,7 @@ TWO_NODES_TIMEOUT_S = 150
 def _two_nodes(tmp_path, node_args, wrap=lambda node, argv: argv):
     """Two torchrun agents (--nnodes 2, one rank each) of ``omnitron train BASE + node_args[node]``; each
     ``(returncode, output)``. ``wrap(node, argv)``: the command that runs node's torchrun (a mount namespace)."""
-    port = random.randrange(20000, 60000)
+    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
     procs = [subprocess.Popen(wrap(node, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",

@@ -7,9 +7,12 @@ the agent stops its workers and exits). Its siblings on the same host see it go 
 the whole join wait (300 s). A heartbeat in the store would not do better within a poll: a missed beat is also what
 a loaded or frozen rank shows.
 
-So each torchrun rank, from the start of ``omnitron train`` (:func:`hold`, before its settings are checked), listens
-on a port of its own and posts the address (``lifeline/<rank>``, with its pid and host) in the job's store
-(:func:`omnitron.core.training.prejoin.job_store`); rank ``r`` connects to rank ``r + 1``'s (mod the world) and
+So each torchrun rank, from the start of ``omnitron train``, ``generate`` or ``serve`` (:func:`hold`, called by
+:func:`omnitron.cli.main` before it parses: a sharded inference job joins as training does), listens on a port of
+its own and posts the address (``lifeline/<rank>``, with its pid and host) in the job's store
+(:func:`omnitron.core.training.prejoin.job_store`; rank 0, where it hosts the store, starts it here, so that its
+peers can read its refusal and see its death: :func:`~omnitron.core.training.prejoin.hosted_store`); rank ``r``
+connects to rank ``r + 1``'s (mod the world) and
 holds the connection until its own join is done (:func:`release`). The kernel closes a process's sockets however it
 ends, so a death ends the connection (or refuses it) at once, and the watcher posts it as that rank's failure before
 joining (:func:`omnitron.core.training.prejoin.post_failure`, kept only where the rank posted no line of its own):
@@ -18,8 +21,14 @@ every rank's join wait stops within a poll naming the rank and its host
 join wait, and the census for local siblings, apply).
 
 Not covered (the join wait applies): a rank killed before its lifeline is posted (its interpreter's and torch's
-imports), one whose watcher died too, and a host gone without closing its connections (power lost). The connection
-needs what gloo and NCCL need between nodes anyway: any port of one rank's host reachable from another's.
+imports: 1.5-2 s of CPU, 4-7 s on a loaded 2-core machine), one whose watcher died too, and a host gone without
+closing its connections (power lost). Nothing else tells them: a torchrun agent whose worker died stops its node and
+exits, and the other nodes' agents hear nothing (the static rendezvous writes nothing; c10d's marks the rendezvous
+closed in its store, but the other agents' monitoring asks only for nodes waiting to join, and the state is a
+pickle, which the ranks do not read). Where the dead rank's node hosted the store (node 0's agent under a static
+rendezvous, rank 0 where it hosts it), its peers' store calls fail as it goes, said in one line
+(:func:`omnitron.core.training.prejoin.store_gone`). The connection needs what gloo and NCCL need between nodes
+anyway: any port of one rank's host reachable from another's.
 """
 from __future__ import annotations
 
@@ -36,7 +45,7 @@ CONNECT_S = 5.0
 """How long the watcher tries to connect to its peer's lifeline; a peer it cannot reach is not watched."""
 STORE_S = 300.0
 """The watcher's store client's wait for the store (torchrun's agent hosts it: up before any rank starts; rank 0,
-where the agent does not share its store, only from its join: as long as the join waits)."""
+where the agent does not share its store, from its lifeline on: its start, :func:`prejoin.hosted_store`)."""
 
 
 class Lifeline:
@@ -63,7 +72,7 @@ class Lifeline:
         try:
             family, address = _own_address()
             self.listener = socket.create_server(("", 0), family=family, backlog=16)  # never accepted: see _gone
-            store = prejoin.job_store(STORE_S)
+            store = prejoin.job_store(STORE_S, self.rank)  # rank 0 hosting the job's store: hosts it from here
             where = {"host": address, "port": self.listener.getsockname()[1], "info": self.info}
             store.set(f"lifeline/{self.rank}", json.dumps(where))
             self.posted.set()

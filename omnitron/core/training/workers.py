@@ -84,7 +84,7 @@ def join_job(settings, backend) -> Watchdog:
     timeout = distributed_timeout_s(settings.training.distributed_timeout_minutes)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     lifeline.hold()  # (once: omnitron train holds it from its start) a death before joining is seen on every node
-    store = open_store(timeout, is_master=rank == 0 and not _store_hosted_elsewhere())
+    store = _join_store(timeout, rank)
     lg = getattr(settings, "logging", None)
     if rank == 0:  # before it arrives: every rank can read it once all have arrived
         store.set("run_dir", getattr(lg, "log_dir", None) or "")
@@ -101,6 +101,24 @@ def join_job(settings, backend) -> Watchdog:
                                            store=store, group_deadline_s=timeout)
     lifeline.release()  # joined: the watchdog watches the peers from here
     return Watchdog(rank, world, timeout, lambda: open_store(timeout, is_master=False)).start()
+
+
+def _join_store(timeout: float, rank: int):
+    """:func:`open_store` for this rank's join (rank 0 hosts it unless the launcher or torchrun's agent does); a
+    peer of rank 0 that never hosted it stops in one line where the client's wait ends (torch's timeout error)."""
+    import torch.distributed as dist
+
+    hosted_elsewhere = _store_hosted_elsewhere()
+    try:
+        return open_store(timeout, is_master=rank == 0 and not hosted_elsewhere)
+    except dist.DistError as err:
+        if rank == 0 or hosted_elsewhere or not failures.is_timeout(str(err)):
+            raise
+        from omnitron.core.training.prejoin import PeerNeverJoined
+
+        raise PeerNeverJoined(f"rank 0 never hosted the job's store ({os.environ['MASTER_ADDR']}:"
+                              f"{os.environ['MASTER_PORT']}, waited {max(timeout, JOIN_TIMEOUT_S):.0f} s): see its "
+                              "node's log") from None
 
 
 def _cpu(pid: int) -> tuple[str, int] | None:
@@ -172,11 +190,24 @@ def _wait_for_arrivals(store, world: int, timeout: float) -> None:
     in start-up stops this rank in one line naming it (torchrun then stops the others), and so does one that exited
     (:class:`_LocalSiblings`); a rank refused before joining, or dead before joining (its lifeline's watcher
     posts it: :mod:`omnitron.core.training.lifeline`), on any node, ends the wait within a poll
-    (:func:`prejoin.check_abandoned`)."""
+    (:func:`prejoin.check_abandoned`). A store call that fails (its host ended: rank 0, where it hosts the store,
+    or the torchrun agent that does) stops the wait in one line (:func:`prejoin.store_gone`)."""
+    import torch.distributed as dist
+
+    try:
+        _arrivals_loop(store, world, timeout)
+    except dist.DistError as err:  # a store call failed: its server ended (rank 0, or the agent hosting it)
+        from omnitron.core.training.prejoin import PeerNeverJoined, store_gone
+
+        raise PeerNeverJoined(store_gone(err, os.environ.get(HOSTED_STORE_ENV) == "1")) from None
+
+
+def _arrivals_loop(store, world: int, timeout: float) -> None:
+    """:func:`_wait_for_arrivals`'s loop (store errors are its caller's)."""
     from omnitron.core.training.nonfinite import TrainingStopped
     from omnitron.core.training.prejoin import check_abandoned
 
-    keys = [f"arrived/{r}" for r in range(world)]
+    keys, rank = [f"arrived/{r}" for r in range(world)], int(os.environ["RANK"]) if "RANK" in os.environ else None
     limit = max(timeout, JOIN_TIMEOUT_S)
     give_up = time.monotonic() + limit
     siblings = _LocalSiblings(store, timeout) if os.environ.get("TORCHELASTIC_RUN_ID") else None
@@ -184,7 +215,7 @@ def _wait_for_arrivals(store, world: int, timeout: float) -> None:
     # NOTE: check() and a sleep, not wait() with a short timeout: each timed-out wait() of a TCPStore client
     # prints two C++ warnings ("waitForInput ... timed out"), two lines a second per rank while a peer is late
     while not store.check(keys):
-        check_abandoned(store)
+        check_abandoned(store, rank)
         if time.monotonic() >= give_up:
             missing = [r for r in range(world) if not store.check([f"arrived/{r}"])]
             raise TrainingStopped(f"{rank_list(missing)} did not join the job within {limit:.0f} s (a node that "
