@@ -7,6 +7,8 @@ command-line parser; every complete ``omnitron train`` command also builds its s
 before any process starts) for the world it names; and a command that picks its backend with ``OMNITRON_BACKEND=X``
 runs on X (a config file's ``backend:`` would silently win over the variable). Running them is the main-job and
 command tests' business; this catches a renamed flag, a stale example or a config that contradicts its command.
+The README's lines that run on a CPU in seconds (``omnitron info``, ``preprocess``, the serving ``plan``) are run
+here as written (``RUN``).
 """
 from __future__ import annotations
 
@@ -143,3 +145,33 @@ def test_every_documented_train_command_builds_its_settings(where, whole, env, a
     if settings.backend not in (None, env.get("OMNITRON_BACKEND", settings.backend)):
         pytest.fail(f"{where}\n  runs on backend {settings.backend!r} (its config file's or flag's), not the "
                     f"OMNITRON_BACKEND={env['OMNITRON_BACKEND']} it is given: pass --backend instead")
+
+
+RUN = {
+    "info": lambda tmp, out: "versions: torch" in out,
+    "preprocess": lambda tmp, out: all((tmp / "data" / f"corpus_text_document.{ext}").stat().st_size > 0
+                                       for ext in ("bin", "idx")) and "3 documents" in out,
+    "plan --model llama3_70b": lambda tmp, out: "the most requests of 4096 tokens that fit" in out,
+}
+"""The README's commands that run on a CPU in seconds, by how their argv begins, and what their output must show."""
+
+
+@pytest.mark.parametrize("start", sorted(RUN))
+def test_the_cheap_documented_commands_run(start, tmp_path):
+    """Each runs as the README writes it (its first whole line starting so), in a fresh folder, and exits 0 with
+    what the text promises; ``preprocess`` on a three-document ``corpus.jsonl`` written there (the reader's own
+    corpus in the README)."""
+    import subprocess
+    import sys
+
+    found = [c for c in COMMANDS if c[1] and c[0].startswith("README.md") and " ".join(c[3]).startswith(start)]
+    assert found, f"the README no longer gives `omnitron {start} ...`"
+    where, _, env, argv, _ = found[0]
+    if argv[0] == "preprocess":
+        docs = ['{"text": "Call me Ishmael."}', '{"text": "Some years ago."}', '{"text": "The whale."}']
+        (tmp_path / "corpus.jsonl").write_text("\n".join(docs) + "\n")
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    proc = subprocess.run([sys.executable, "-m", "omnitron", *argv], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, **env, "PYTHONPATH": path}, timeout=300)
+    assert proc.returncode == 0, f"{where}\n  exit {proc.returncode}: {proc.stderr[-2000:]}"
+    assert RUN[start](tmp_path, proc.stdout + proc.stderr), f"{where}\n  {proc.stdout[-2000:]}"

@@ -17,15 +17,19 @@ std::vector<Chunk> make_chunks(const std::vector<at::Tensor>& ts) {
   return out;
 }
 
+// Both moments are blended toward their targets with weights w1 = 1 - beta1 and w2 = 1 - beta2 rounded once from
+// double: 1.0f - float(beta) would carry beta's own float rounding (up to 3e-8), a relative error of 3e-4 in a
+// weight of 1e-4 (beta2 = 0.9999), which biased v by that much against a float64 AdamW. The lerp form keeps the
+// effective decay 1 - w consistent with the weight, so v stays unbiased in the warm-up and in the steady state.
 template <typename G>
-void adamw_chunk(float* p, const G* g, float* m, float* v, int64_t n, float decay, float b1, float b2, float bc2,
+void adamw_chunk(float* p, const G* g, float* m, float* v, int64_t n, float decay, float w1, float w2, float bc2,
                  float eps, float step_size) {
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) {
     float gj = ld(g[j]);
     float pj = p[j] * decay;
-    float mj = m[j] + (1.0f - b1) * (gj - m[j]);
-    float vj = v[j] * b2 + (1.0f - b2) * gj * gj;
+    float mj = m[j] + w1 * (gj - m[j]);
+    float vj = v[j] + w2 * (gj * gj - v[j]);
     float denom = std::sqrt(vj / bc2) + eps;
     p[j] = pj + step_size * (mj / denom);
     m[j] = mj;
@@ -57,9 +61,9 @@ void adamw_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grads, s
                 "omnitron._C adamw_step: grad ", i, " must be contiguous with its parameter's size");
   }
   const float decay = static_cast<float>(1.0 - lr * weight_decay);
-  const float bc1 = static_cast<float>(1.0 - std::pow(beta1, static_cast<double>(step)));
   const float bc2 = static_cast<float>(1.0 - std::pow(beta2, static_cast<double>(step)));
-  const float step_size = static_cast<float>(-lr / bc1);
+  const float step_size = static_cast<float>(-lr / (1.0 - std::pow(beta1, static_cast<double>(step))));
+  const float w1 = static_cast<float>(1.0 - beta1), w2 = static_cast<float>(1.0 - beta2);
   auto chunks = make_chunks(params);
   at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t b, int64_t e) {
     for (int64_t c = b; c < e; ++c) {
@@ -73,8 +77,8 @@ void adamw_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grads, s
         if constexpr (std::is_same<scalar_t, double>::value) {
           TORCH_CHECK(false, "omnitron._C adamw_step: float64 gradients are not supported");
         } else {
-          adamw_chunk<scalar_t>(p, g.data_ptr<scalar_t>() + ch.begin, m, v, n, decay, float(beta1), float(beta2), bc2,
-                                float(eps), step_size);
+          adamw_chunk<scalar_t>(p, g.data_ptr<scalar_t>() + ch.begin, m, v, n, decay, w1, w2, bc2, float(eps),
+                                step_size);
         }
       });
     }

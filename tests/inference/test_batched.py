@@ -198,3 +198,33 @@ def test_top_k_with_top_p_is_refused_where_megatron_refuses_it(top_k, top_p):
             SamplingParams(top_k=top_k, top_p=top_p)
     else:
         SamplingParams(top_k=top_k, top_p=top_p)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(top_p=0.7), SamplingParams(top_k=5), SamplingParams()],
+                         ids=("top_p", "top_k", "plain"))
+def test_the_largest_draw_never_passes_the_last_kept_token(params, monkeypatch):
+    """torch.rand's largest float32 draw, 1 - 2**-24, picks a kept token (plain float64 top-k / nucleus sets),
+    never a filtered or vocabulary-padding column after the last kept one: u * total rounds below total for any
+    total, so no clamp is needed. It stops short of the last kept token only where the kept mass after its pick
+    is below the draw's resolution: the pick is the first cdf entry above fl(u * total) >= total (1 - 2u), so
+    the mass after it is < 2u of the total, plus the float32 rounding of the cdf and the softmax (<= 2u): 4u."""
+    rows, real, padded = 64, 37, 48
+    logits = torch.randn(rows, padded) * 3
+    logits[:, real:] = float("-inf")
+    top = 1.0 - 2.0 ** -24
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.full((1,), top))
+    got = sample_next(logits, params, [torch.Generator() for _ in range(rows)])
+    x = logits[:, :real].double()
+    order = torch.argsort(x, dim=-1, descending=True)
+    if params.top_k:
+        kept_sorted = torch.arange(real)[None, :] < params.top_k
+    elif params.top_p:
+        mass_before = torch.cumsum(torch.softmax(x, -1).gather(1, order), -1) - torch.softmax(x, -1).gather(1, order)
+        kept_sorted = mass_before <= params.top_p
+    else:
+        kept_sorted = torch.ones(rows, real, dtype=torch.bool)
+    kept = torch.zeros(rows, real, dtype=torch.bool).scatter(1, order, kept_sorted.expand(rows, real))
+    assert bool(kept.gather(1, got[:, None].clamp(max=real - 1)).all()) and int(got.max()) < real, got
+    probs = torch.softmax(x.masked_fill(~kept, float("-inf")), -1)
+    after = (probs * (torch.arange(real)[None, :] > got[:, None])).sum(-1)
+    assert float(after.max()) <= 4 * 2.0 ** -24, after.max()

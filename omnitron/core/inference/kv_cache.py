@@ -5,11 +5,11 @@ shadowing the method; removed on exit) with one that appends the step's keys/val
 cache, so each new token costs one position's forward instead of the whole prefix. Rows of a batch
 share cache slots: prompts are LEFT-padded to one length, and ``valid [b, slots]`` (set by the caller
 before each forward) says which slots hold real tokens. A query at slot ``q`` attends to the valid
-slots ``k <= q`` (and to itself, so a padding query never sees an empty row: its output is unused,
-but an all-masked softmax would put NaN into the cache). Without padding the backend's fused
-attention kernel runs as before (causal prefill, then single queries over the whole cache); a step of
-several new queries after the prefill (speculative decoding, chunked prefill) takes the causal mask of
-:meth:`KVCache.keep`, with or without padding.
+slots ``k <= q`` (and to itself, so a padding query never sees an empty row: an all-masked softmax
+would put NaN into the cache; its output, unused, is then zeroed, as a padding-masked attention gives
+it). Without padding the backend's fused attention kernel runs as before (causal prefill, then single
+queries over the whole cache); a step of several new queries after the prefill (speculative decoding,
+chunked prefill) takes the causal mask of :meth:`KVCache.keep`, with or without padding.
 
 Each layer's slots live in a :class:`SlotBuffer`: storage for ``capacity`` slots (generation passes the
 longest sequence it can reach: prompt width + new tokens) allocated on the first step, each step's
@@ -82,6 +82,15 @@ class KVCache:
         return self.keys[i], self.values[i]
 
     def _attend(self, module, q, k, v):
+        """:meth:`_attend_slots`, with a padding query's output zeroed (finite either way; zero as a padding-masked
+        attention gives it, whichever path ran: the masked softmax lets a padding query see itself so that its row
+        is never empty). With left padding the last slot is real in every row, so single-query steps skip this."""
+        out = self._attend_slots(module, q, k, v)
+        if self.valid is None or q.shape[2] == 1:
+            return out
+        return out * self.valid[:, None, self.valid.shape[1] - q.shape[2]:, None].to(out.dtype)
+
+    def _attend_slots(self, module, q, k, v):
         """Attention of the new queries (the last ``s_new`` slots) over every cached slot."""
         s_new, s_all = q.shape[2], k.shape[2]
         scale = getattr(module, "softmax_scale", None)  # multi-latent attention's YaRN-corrected scale

@@ -109,10 +109,10 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generators: list[t
     probs = torch.softmax(filter_logits(logits.float(), params), dim=-1).cpu()
     cdf = torch.cumsum(probs, dim=-1)  # [b, V]
     u = torch.cat([torch.rand(1, generator=g) for g in generators])  # [b], one draw per row
+    # NOTE: never past the last kept token: u <= 1 - 2**-24 (torch.rand's float32 draws are multiples of 2**-24),
+    # so u * total rounds strictly below total, and the cdf (a sequential cumsum of non-negative terms) is already
+    # total at the last kept token; the first entry above the draw is at or before it
     ids = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-    # NOTE: u * total can round onto the last cdf value; never step past the last kept token
-    last_kept = probs.shape[-1] - 1 - torch.argmax((probs.flip(-1) > 0).int(), dim=-1)
-    ids = torch.minimum(ids, last_kept)
     broken = ~torch.isfinite(cdf[:, -1])  # logits holding NaN or +inf: greedy, never a padding column
     if bool(broken.any()):
         ids = torch.where(broken, torch.argmax(torch.nan_to_num(logits.float().cpu(), nan=float("-inf")), dim=-1), ids)

@@ -20,7 +20,7 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: 
             if weight_decay:
                 p.mul_(1.0 - lr * weight_decay)
             m.lerp_(g, 1.0 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+            v.lerp_(g * g, 1.0 - beta2)  # the weight rounded once: no float32 beta2 in the recursion
             denom = (v / bc2).sqrt_().add_(eps)
             step_size = -lr / bc1
             if abs(step_size) <= torch.finfo(p.dtype).max:

@@ -11,7 +11,7 @@ from omnitron.kernels.triton_kernels._common import GPU_BACKENDS, NAME, availabl
 
 
 @triton.jit
-def _adamw(P, G, M, V, n, decay, b1, b2, bc2, eps, step_size, BLOCK: tl.constexpr):
+def _adamw(P, G, M, V, n, decay, w1, w2, bc2, eps, step_size, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     p = tl.load(P + offs, mask=mask)
@@ -19,8 +19,8 @@ def _adamw(P, G, M, V, n, decay, b1, b2, bc2, eps, step_size, BLOCK: tl.constexp
     m = tl.load(M + offs, mask=mask)
     v = tl.load(V + offs, mask=mask)
     p = p * decay
-    m = m + (1.0 - b1) * (g - m)
-    v = v * b2 + (1.0 - b2) * g * g
+    m = m + w1 * (g - m)
+    v = v + w2 * (g * g - v)
     p = p + step_size * (m / (tl.sqrt(v / bc2) + eps))
     tl.store(P + offs, p, mask=mask)
     tl.store(M + offs, m, mask=mask)
@@ -56,13 +56,15 @@ def _adamw_supports(params, grads, exp_avgs, exp_avg_sqs, **_) -> str | None:
 @register("adamw_step", NAME, available=available, backends=GPU_BACKENDS, supports=_adamw_supports)
 def adamw_step(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1: float, beta2: float, eps: float,
                weight_decay: float) -> None:
-    """AdamW in place (same arithmetic order as the reference), one launch per tensor."""
+    """AdamW in place (same arithmetic order as the reference), one launch per tensor. The moment weights
+    1 - beta are formed here in double and rounded once: formed in the kernel from float32 betas they would carry
+    beta's rounding, a relative error of up to 3e-4 in 1 - 0.9999 (csrc/cpu/optim.cpp says more)."""
     bc1, bc2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
     block = _block()
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
         if p.numel():
-            _adamw[(triton.cdiv(p.numel(), block),)](p, g, m, v, p.numel(), 1.0 - lr * weight_decay, beta1, beta2,
-                                                      bc2, eps, -lr / bc1, BLOCK=block)
+            _adamw[(triton.cdiv(p.numel(), block),)](p, g, m, v, p.numel(), 1.0 - lr * weight_decay, 1.0 - beta1,
+                                                      1.0 - beta2, bc2, eps, -lr / bc1, BLOCK=block)
 
 
 @register("grad_norm_sq", NAME, available=available, backends=GPU_BACKENDS,
