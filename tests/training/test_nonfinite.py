@@ -210,3 +210,34 @@ def test_the_reported_loss_is_the_unscaled_one_as_megatron(tmp_path):
         return train(parse_settings(_args(tmp_path / path, "--bf16", "--train-iters", "2", *extra), 1),
                      get_backend("cpu"))["losses"]
     assert run("huge", "--loss-scale", str(2.0 ** 127)) == run("plain")
+
+
+def test_skip_counter_stops_at_the_limit_th_consecutive_skip_and_a_taken_step_resets_it():
+    """--max-consecutive-skipped-iterations counts skips in a row: on random skip / take sequences the counter
+    raises at the first iteration closing a run of ``limit`` consecutive skips (reference: the run lengths counted
+    in plain Python), never earlier, and a limit of 0 never raises."""
+    import random
+
+    from omnitron.core.training.nonfinite import SkipCounter
+
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    rng.seed(seed)
+    for _ in range(200):
+        limit = rng.randrange(0, 5)
+        steps = [rng.random() < 0.6 for _ in range(rng.randrange(1, 30))]
+        want, run = None, 0
+        for i, skipped in enumerate(steps):
+            run = run + 1 if skipped else 0
+            if limit and run == limit:
+                want = i
+                break
+        counter, got = SkipCounter(limit), None
+        for i, skipped in enumerate(steps):
+            try:
+                counter.update(skipped, i, 0, 1024.0)
+            except TrainingStopped as err:
+                got = i
+                assert f"{limit} consecutive steps skipped" in str(err), (seed, err)
+                break
+        assert got == want, (seed, limit, steps)
