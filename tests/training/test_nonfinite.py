@@ -241,3 +241,32 @@ def test_skip_counter_stops_at_the_limit_th_consecutive_skip_and_a_taken_step_re
                 assert f"{limit} consecutive steps skipped" in str(err), (seed, err)
                 break
         assert got == want, (seed, limit, steps)
+
+
+def weights_finite_with_one_bad_rank(cases: list) -> list[bool]:
+    """weights_finite on every rank for each case: the rank named there (None: no rank) holds one non-finite
+    master among three finite ones."""
+    import torch.distributed as dist
+
+    from omnitron.core.training.nonfinite import weights_finite
+
+    be = get_backend()
+    device, rank = be.current_device(), dist.get_rank()
+    out = []
+    for bad in cases:
+        flags = [torch.tensor(True, device=device) for _ in range(3)]
+        if bad == rank:
+            flags[1] = torch.tensor(False, device=device)
+        out.append(weights_finite(flags, be.collectives, device))
+    return out
+
+
+def test_weights_finite_is_false_on_every_rank_when_any_rank_holds_a_non_finite_master(backend_name):
+    """The weight check before a save is one verdict for all ranks (else one rank stops and the others wait in the
+    save's collectives): False everywhere when any one rank's masters are not all finite, True only when every
+    rank's are (reference: the definition, every flag of every rank true). 3 ranks, each rank bad in turn."""
+    from omnitron.testing.distributed import run_distributed
+
+    cases = [None, 0, 1, 2]
+    results = run_distributed(weights_finite_with_one_bad_rank, 3, cases, backend=backend_name, timeout_s=120)
+    assert results == [[bad is None for bad in cases]] * 3, results
