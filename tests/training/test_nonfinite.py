@@ -270,3 +270,15 @@ def test_weights_finite_is_false_on_every_rank_when_any_rank_holds_a_non_finite_
     cases = [None, 0, 1, 2]
     results = run_distributed(weights_finite_with_one_bad_rank, 3, cases, backend=backend_name, timeout_s=120)
     assert results == [[bad is None for bad in cases]] * 3, results
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_an_infinite_or_nan_loss_stops_and_a_finite_one_does_not(value):
+    """check_loss stops on every non-finite loss, an overflow to +-inf as well as NaN (reference: math.isfinite),
+    and lets a finite one through, however large; switched off, nothing stops."""
+    from omnitron.core.training.nonfinite import check_loss
+
+    with pytest.raises(NonFiniteError, match=f"the loss is {value}"):
+        check_loss(value, True)
+    check_loss(value, False)
+    check_loss(1e308, True)
