@@ -93,3 +93,21 @@ def test_staged_device_pieces_are_the_live_values_when_stage_returns():
     env = {"OMNITRON_SIM_ASYNC_DELAY_MS": "2000", "OMNITRON_SIM_GUARD_PAGES": "0", "OMNITRON_STRICT_COLLECTIVES": "0"}
     [wrong] = run_distributed(stage_on_the_device, 1, seed, backend="sim", env=env, timeout_s=120)
     assert wrong == [], (seed, wrong)
+
+
+def test_the_saver_stages_the_pieces_it_is_given_after_they_move():
+    """A reloaded optimizer state (or any rebuild) puts the pieces in new tensors: AsyncSaver's cached staging must
+    then be rebuilt, so the next snapshot holds the new tensors' values, not the old ones'. Reference: the new
+    pieces themselves."""
+    from types import SimpleNamespace
+
+    from omnitron.core.checkpoint.dist_async import AsyncSaver
+
+    g = torch.Generator().manual_seed(2)
+    c = SimpleNamespace(backend=SimpleNamespace(current_device=lambda: torch.device("cpu")),
+                        groups=SimpleNamespace(rank=1))
+    saver = AsyncSaver(collectives=None)
+    old, _ = _table(g)
+    _check(saver._staging(c, old).stage(), old)
+    moved, _ = _table(g)  # the same keys and shapes in new tensors with other values
+    _check(saver._staging(c, moved).stage(), moved)
