@@ -110,3 +110,26 @@ def test_a_reader_hashes_only_the_chunks_it_reads(results):
     files = sum(r["bytes"] for r in results)
     data = math.prod(shape) * md.state_dict_metadata[key].properties.dtype.itemsize
     assert data <= reader.hashed_bytes <= want and 0 < want < files / 8, (reader.hashed_bytes, data, want, files)
+
+
+def test_a_tp_column_slice_of_a_row_starts_and_ends_on_piece_boundaries():
+    """piece_bytes' promise: a row of at least 8 x MIN_PIECE bytes whose element count 8 divides is cut so that a
+    column slice at tp 2, 4 or 8 (bytes [k row / tp, (k + 1) row / tp) of every row) starts and ends on piece
+    boundaries, so a tensor-parallel reader reads only its own bytes; shorter rows are grouped whole. Reference:
+    the divisibility of each slice's bounds, on random widths, dtypes and blocks."""
+    import random
+
+    from omnitron.core.checkpoint.dist_slices import MIN_PIECE, piece_bytes
+
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    rng.seed(seed)
+    for _ in range(300):
+        item = rng.choice([1, 2, 4, 8])
+        cols = 8 * rng.randrange(-(-8 * MIN_PIECE // (8 * item)), 4 * MIN_PIECE)
+        block = rng.choice([64 << 10, 4 * cols * item, MIN_PIECE * 8])
+        piece = piece_bytes((rng.randrange(1, 9), cols), item, block)
+        for tp in (2, 4, 8):
+            assert (cols * item // tp) % piece == 0, (seed, item, cols, block, piece, tp)
+        short = rng.randrange(1, MIN_PIECE // item) * item  # a row under MIN_PIECE bytes: whole rows per piece
+        assert piece_bytes((3, short // item), item, block) % short == 0, (seed, short, item, block)
