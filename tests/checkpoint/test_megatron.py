@@ -435,7 +435,8 @@ def test_two_spellings_of_one_tensor_must_hold_the_same_values():
     sd = {"decoder.layers.0.input_layernorm.weight": w,
           "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": w.clone()}
     out, layers = _to_omnitron_names(sd, 3, "ck")
-    assert layers == 1 and list(out) == ["decoder.layers.3.input_layernorm.weight"] and torch.equal(out[list(out)[0]], w)
+    assert layers == 1 and list(out) == ["decoder.layers.3.input_layernorm.weight"]
+    assert torch.equal(out["decoder.layers.3.input_layernorm.weight"], w)
     sd["decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"] = w + 1e-3
     with pytest.raises(MegatronConversionError, match="two names of decoder.layers.3.input_layernorm.weight hold "
                                                       "different tensors"):
