@@ -133,3 +133,29 @@ def test_a_tp_column_slice_of_a_row_starts_and_ends_on_piece_boundaries():
             assert (cols * item // tp) % piece == 0, (seed, item, cols, block, piece, tp)
         short = rng.randrange(1, MIN_PIECE // item) * item  # a row under MIN_PIECE bytes: whole rows per piece
         assert piece_bytes((3, short // item), item, block) % short == 0, (seed, short, item, block)
+
+
+def test_replicas_spread_every_element_of_every_piece_to_exactly_one_writer():
+    """_spread's parts over ``count`` replicas cover each piece's elements exactly once (a scalar: one writer), with
+    offsets placing each part where it lies in the piece. Reference: a count of writers per element, on random
+    pieces (0-dim, leading sizes of 1, rows fewer than the replicas)."""
+    import random
+
+    from omnitron.core.checkpoint.dist import _spread
+
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    rng.seed(seed)
+    for _ in range(100):
+        dims = rng.randrange(0, 4)
+        shape = tuple(rng.choice([1, 1, 2, 3, 7]) for _ in range(dims))
+        off = tuple(rng.randrange(0, 5) for _ in range(dims))
+        whole = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
+        count = rng.randrange(1, 6)
+        writers = torch.zeros(shape, dtype=torch.int64)
+        for index in range(count):
+            for o, view in _spread([(off, whole)], index, count):
+                at = tuple(slice(a - b, a - b + n) for a, b, n in zip(o, off, view.shape))
+                assert torch.equal(whole[at], view), (seed, shape, count, index)
+                writers[at] += 1
+        assert bool((writers == 1).all()), (seed, shape, count, writers)
