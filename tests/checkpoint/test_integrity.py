@@ -461,3 +461,20 @@ def test_block_index_with_a_block_size_under_one_byte_is_refused(tmp_path, size)
         json.dump(raw, f)
     with pytest.raises(integrity.IntegrityError, match=f"block size {size} or algorithm 'sha256' is not valid"):
         integrity.read_block_index(index)
+
+
+@pytest.mark.parametrize("key, value, what", [
+    ("world_size", 0, "an integer >= 1"), ("world_size", True, "an integer >= 1"), ("iteration", -1, "an integer >= 0"),
+    ("consumed_samples", 2.5, "an integer >= 0"), ("shards", "rank_0.pt", "a list of file names"),
+    ("ckpt_format", "zip", '"torch" or "torch_dist"'), ("checksums", {"rank_0.pt": 7}, "an object of file name")])
+def test_a_metadata_field_just_outside_its_type_is_named(tmp_path, key, value, what):
+    """Each field omnitron reads is checked before use: a value just past its range (a world of 0 ranks, a negative
+    iteration, a fraction of a sample, a bool for a count, ...) is refused in one line naming the field, its value
+    and what it must be."""
+    path = _save(tmp_path, 3, 3)
+    meta = json.loads(open(os.path.join(path, "metadata.json")).read())
+    meta[key] = value
+    open(os.path.join(path, "metadata.json"), "w").write(json.dumps(meta))
+    with pytest.raises(CheckpointError) as err:
+        read_metadata(path)
+    assert f"'{key}' is {json.dumps(value)}, not {what}" in _one_line(err), err.value
