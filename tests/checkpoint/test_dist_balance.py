@@ -110,3 +110,52 @@ def test_a_reader_hashes_only_the_chunks_it_reads(results):
     files = sum(r["bytes"] for r in results)
     data = math.prod(shape) * md.state_dict_metadata[key].properties.dtype.itemsize
     assert data <= reader.hashed_bytes <= want and 0 < want < files / 8, (reader.hashed_bytes, data, want, files)
+
+
+def test_a_tp_column_slice_of_a_row_starts_and_ends_on_piece_boundaries():
+    """piece_bytes' promise: a row of at least 8 x MIN_PIECE bytes whose element count 8 divides is cut so that a
+    column slice at tp 2, 4 or 8 (bytes [k row / tp, (k + 1) row / tp) of every row) starts and ends on piece
+    boundaries, so a tensor-parallel reader reads only its own bytes; shorter rows are grouped whole. Reference:
+    the divisibility of each slice's bounds, on random widths, dtypes and blocks."""
+    import random
+
+    from omnitron.core.checkpoint.dist_slices import MIN_PIECE, piece_bytes
+
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    rng.seed(seed)
+    for _ in range(300):
+        item = rng.choice([1, 2, 4, 8])
+        cols = 8 * rng.randrange(-(-8 * MIN_PIECE // (8 * item)), 4 * MIN_PIECE)
+        block = rng.choice([64 << 10, 4 * cols * item, MIN_PIECE * 8])
+        piece = piece_bytes((rng.randrange(1, 9), cols), item, block)
+        for tp in (2, 4, 8):
+            assert (cols * item // tp) % piece == 0, (seed, item, cols, block, piece, tp)
+        short = rng.randrange(1, MIN_PIECE // item) * item  # a row under MIN_PIECE bytes: whole rows per piece
+        assert piece_bytes((3, short // item), item, block) % short == 0, (seed, short, item, block)
+
+
+def test_replicas_spread_every_element_of_every_piece_to_exactly_one_writer():
+    """_spread's parts over ``count`` replicas cover each piece's elements exactly once (a scalar: one writer), with
+    offsets placing each part where it lies in the piece. Reference: a count of writers per element, on random
+    pieces (0-dim, leading sizes of 1, rows fewer than the replicas)."""
+    import random
+
+    from omnitron.core.checkpoint.dist import _spread
+
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    rng.seed(seed)
+    for _ in range(100):
+        dims = rng.randrange(0, 4)
+        shape = tuple(rng.choice([1, 1, 2, 3, 7]) for _ in range(dims))
+        off = tuple(rng.randrange(0, 5) for _ in range(dims))
+        whole = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
+        count = rng.randrange(1, 6)
+        writers = torch.zeros(shape, dtype=torch.int64)
+        for index in range(count):
+            for o, view in _spread([(off, whole)], index, count):
+                at = tuple(slice(a - b, a - b + n) for a, b, n in zip(o, off, view.shape))
+                assert torch.equal(whole[at], view), (seed, shape, count, index)
+                writers[at] += 1
+        assert bool((writers == 1).all()), (seed, shape, count, writers)

@@ -426,3 +426,28 @@ def test_a_config_without_tie_word_embeddings_is_untied_as_transformers_reads_it
               vocab_size=V)
     tied = transformers.LlamaConfig(**{k: v for k, v in hf.items() if k != "model_type"}).tie_word_embeddings
     assert config_from_hf(hf).untie_embeddings_and_output_weights is (not tied)
+
+
+_LEFT_OUT = {  # the fields each config.json below gives: every other one is left to the model type's default
+    "llama": {}, "qwen2": {},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
+    "gpt_oss": {"num_key_value_heads": 2, "head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "deepseek_v3": {"num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 16, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8,
+                    "qk_nope_head_dim": 8, "v_head_dim": 8, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1},
+}
+_DEFAULTED = ("max_position_embeddings", "seq_length", "layernorm_epsilon", "init_method_std", "attention_dropout",
+              "hidden_dropout", "untie_embeddings_and_output_weights", "bias_gelu_fusion")
+
+
+@pytest.mark.parametrize("kind", [*_LEFT_OUT, "gpt2"])
+def test_fields_a_config_leaves_out_are_read_as_transformers_fills_them(kind):
+    """A config.json without max_position_embeddings, the norm epsilon, the dropouts, the init std or the tying reads
+    as the same config with transformers' defaults for its model type written in (reference: the installed
+    transformers' config class; Qwen2 and Qwen3-MoE default to 32768 positions, gpt-oss to 131072, Llama to 2048)."""
+    given = (dict(n_embd=32, n_layer=2, n_head=4, vocab_size=V, n_positions=32) if kind == "gpt2" else
+             dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=48, vocab_size=V,
+                  **_LEFT_OUT[kind]))
+    filled = transformers.AutoConfig.for_model(kind, **given).to_dict()
+    got, want = config_from_hf({"model_type": kind, **given}), config_from_hf(filled)
+    assert {f: getattr(got, f) for f in _DEFAULTED} == {f: getattr(want, f) for f in _DEFAULTED}

@@ -413,3 +413,68 @@ def test_dcp_data_file_outside_the_checkpoint_is_refused(tmp_path, name):
     with pytest.raises(CheckpointError) as err:
         read_dcp_metadata(str(it))
     assert f"{it}/.metadata: data file" in _one_line(err) and "is not a file name in the checkpoint's" in str(err.value)
+
+
+def test_block_bounds_cut_the_tensor_bytes_every_piece_and_the_ends_once():
+    """block_bounds' definition, on random chunks: without a layout a block every ``block`` bytes (the last
+    shorter); with ``(start, piece, end)`` the header ``[0, start)`` one block (if any), the tensor's bytes cut every
+    ``piece`` bytes from ``start`` (the last piece shorter), the trailer ``[end, length)`` one block (if any).
+    Reference: the boundaries walked one by one. (A reader of a column slice reads exactly the pieces it needs only
+    when every piece boundary is there: the writer and the reader share this function, so a dropped boundary is
+    invisible to a round trip.)"""
+    import random
+
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    rng.seed(seed)
+    for _ in range(200):
+        length = rng.randrange(1, 5000)
+        start = rng.choice([0, rng.randrange(0, length + 1)])
+        end = rng.choice([length, rng.randrange(start, length + 1)])
+        piece, block = rng.randrange(1, 300), rng.randrange(1, 700)
+        want, at = ([0] if start else []), start
+        while at < end:
+            want.append(at)
+            at += piece
+        want += [end] + ([length] if end < length else [])
+        assert integrity.block_bounds(length, (start, piece, end), block) == want, (seed, length, start, piece, end)
+        plain, at = [], 0
+        while at < length:
+            plain.append(at)
+            at += block
+        assert integrity.block_bounds(length, None, block) == plain + [length], (seed, length, block)
+
+
+@pytest.mark.parametrize("size", [0, -65536])
+def test_block_index_with_a_block_size_under_one_byte_is_refused(tmp_path, size):
+    """A chunk index whose block size is not positive (corrupt or crafted) cannot cut a chunk into blocks: refused
+    as an IntegrityError naming the size, before a reader divides by it or walks ``range(0, n, size)`` (a
+    ValueError there, or an endless read)."""
+    data = os.urandom(3000)
+    path = tmp_path / "__0_0.distcp"
+    path.write_bytes(data)
+    integrity.write_chunk_index(str(path), [(0, 3000)])
+    index = str(path) + integrity.CHUNK_INDEX
+    raw = json.loads(open(index).read())
+    raw["blocks"]["size"] = size
+    with open(index, "w") as f:
+        json.dump(raw, f)
+    with pytest.raises(integrity.IntegrityError, match=f"block size {size} or algorithm 'sha256' is not valid"):
+        integrity.read_block_index(index)
+
+
+@pytest.mark.parametrize("key, value, what", [
+    ("world_size", 0, "an integer >= 1"), ("world_size", True, "an integer >= 1"), ("iteration", -1, "an integer >= 0"),
+    ("consumed_samples", 2.5, "an integer >= 0"), ("shards", "rank_0.pt", "a list of file names"),
+    ("ckpt_format", "zip", '"torch" or "torch_dist"'), ("checksums", {"rank_0.pt": 7}, "an object of file name")])
+def test_a_metadata_field_just_outside_its_type_is_named(tmp_path, key, value, what):
+    """Each field omnitron reads is checked before use: a value just past its range (a world of 0 ranks, a negative
+    iteration, a fraction of a sample, a bool for a count, ...) is refused in one line naming the field, its value
+    and what it must be."""
+    path = _save(tmp_path, 3, 3)
+    meta = json.loads(open(os.path.join(path, "metadata.json")).read())
+    meta[key] = value
+    open(os.path.join(path, "metadata.json"), "w").write(json.dumps(meta))
+    with pytest.raises(CheckpointError) as err:
+        read_metadata(path)
+    assert f"'{key}' is {json.dumps(value)}, not {what}" in _one_line(err), err.value

@@ -397,3 +397,47 @@ def test_nonfinite_or_integer_weight_is_refused_naming_tensor_and_file(source, h
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and f"{f}: tensor {name!r} {says}" in err, err
     assert not os.path.exists(tmp_path / "ck") or not os.listdir(tmp_path / "ck")
+
+
+# Megatron-LM's defaults for the args config_from_megatron reads (d98e8a6): megatron/training/arguments.py
+# (--rotary-base 10000, --rotary-percent 1.0, --rope-scaling-factor 8.0, --make-vocab-size-divisible-by 128,
+# --position-embedding-type learned_absolute) and megatron/core/transformer/transformer_config.py
+# (--norm-epsilon 1e-5, hidden_dropout / attention_dropout 0.1, add_bias_linear True, init_method_std 0.02)
+_MEGATRON_DEFAULTS = {"rotary_base": 10000, "rotary_percent": 1.0, "rope_scaling_factor": 8.0,
+                      "make_vocab_size_divisible_by": 128, "position_embedding_type": "learned_absolute",
+                      "norm_epsilon": 1e-5, "hidden_dropout": 0.1, "attention_dropout": 0.1, "add_bias_linear": True,
+                      "init_method_std": 0.02}
+
+
+@pytest.mark.parametrize("pos", ["learned_absolute", "rope"])
+def test_args_an_older_megatron_did_not_record_read_as_megatrons_defaults(pos):
+    """An args namespace without the optional fields above (a Megatron that predates a flag records none) reads as
+    the same args with Megatron's defaults written in: under --use-rope-scaling the factor is 8, the norm epsilon
+    1e-5, dropouts 0.1, biases on (reference: the defaults transcribed above from Megatron's argument parser)."""
+    given = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
+             "max_position_embeddings": 32, "use_rope_scaling": True, "swiglu": True}
+    if pos == "rope":
+        given["position_embedding_type"] = "rope"
+    from omnitron.core.checkpoint.megatron import config_from_megatron
+
+    got = config_from_megatron(given, vocab_size=V, dtype=torch.float32)
+    want = config_from_megatron({**_MEGATRON_DEFAULTS, **given}, vocab_size=V, dtype=torch.float32)
+    assert dataclasses.asdict(got) == dataclasses.asdict(want)
+
+
+def test_two_spellings_of_one_tensor_must_hold_the_same_values():
+    """A Megatron stage state dict may name a norm twice (the TE spec's fused ``linear_qkv.layer_norm_weight`` and
+    the local spec's ``input_layernorm.weight``): equal copies import as one tensor, different ones are refused
+    naming it (one of them would be dropped silently)."""
+    from omnitron.core.checkpoint.megatron import _to_omnitron_names
+
+    w = torch.randn(8, generator=torch.Generator().manual_seed(4))
+    sd = {"decoder.layers.0.input_layernorm.weight": w,
+          "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": w.clone()}
+    out, layers = _to_omnitron_names(sd, 3, "ck")
+    assert layers == 1 and list(out) == ["decoder.layers.3.input_layernorm.weight"]
+    assert torch.equal(out["decoder.layers.3.input_layernorm.weight"], w)
+    sd["decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"] = w + 1e-3
+    with pytest.raises(MegatronConversionError, match="two names of decoder.layers.3.input_layernorm.weight hold "
+                                                      "different tensors"):
+        _to_omnitron_names(sd, 3, "ck")

@@ -393,3 +393,19 @@ def test_torch_format_with_whole_experts_at_tp2_imports(tmp_path):
         torch.save(ck, f)
     assert cli(["checkpoint", "import-megatron", "--load", str(tmp_path / "meg"), "--save", str(tmp_path / "ck")]) == 0
     _assert_weights_and_zero_biases(read_full_state(str(tmp_path / "ck" / "iter_0000000")).model, W)
+
+
+@pytest.mark.parametrize("freq", [1, 2, 3, "1", "2", "[1,1,1,1]", "[1,0,1,0]", "([1]*2+[0]*2)"])
+def test_stacked_layer_keys_follow_megatrons_homogeneity_rule(freq):
+    """Megatron stacks the decoder's layers under one key (homogeneous) unless --moe-layer-freq is an int above 1 or
+    a list, any list (TransformerBlock.sharded_state_dict, megatron-core d98e8a6: ``isinstance(freq, list)`` sets
+    non_homogeneous_layers); omnitron holds an int or its string. Reference: that rule transcribed, on the parsed
+    flag; a dense model is homogeneous whatever the flag says."""
+    from types import SimpleNamespace
+
+    from omnitron.core.checkpoint.megatron_names import homogeneous
+
+    parsed = int(freq) if str(freq).strip().isdigit() else [1]  # a pattern is a list to Megatron
+    megatron = not (isinstance(parsed, int) and parsed > 1 or isinstance(parsed, list))
+    assert homogeneous(SimpleNamespace(num_experts=4, moe_layer_freq=freq)) is megatron
+    assert homogeneous(SimpleNamespace(num_experts=None, moe_layer_freq=freq)) is True

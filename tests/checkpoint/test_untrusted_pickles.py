@@ -355,3 +355,15 @@ def test_compressed_records_are_refused_before_loading(tmp_path, where):
             read_shard(ck, 0)
     msg = _one_line(str(err.value))
     assert msg.startswith(path) and "is compressed (method 8), which torch.save never writes" in msg, msg
+
+
+@pytest.mark.parametrize("module, name", [("megatron", "__builtins__"), ("megatron.core", "__class__"),
+                                          ("megatron.__init__", "AttnBackend"), ("megatron.__main__", "x")])
+def test_a_dunder_part_under_a_vouched_module_is_refused(tmp_path, module, name):
+    """Megatron's names are vouched for as inert placeholders, but not one with a dunder part (an attribute walk
+    toward ``__builtins__`` or a module's own ``__init__``): refused in one line as a dotted or dunder name before
+    anything is unpickled (reference: the rule the module states)."""
+    path = tmp_path / "model_optim_rng.pt"
+    path.write_bytes(b"\x80\x02c" + module.encode() + b"\n" + name.encode() + b"\n)R.")
+    with pytest.raises(CheckpointError, match=f"names '{module}.{name}' \\(a dotted or dunder name"):
+        load_file(str(path))

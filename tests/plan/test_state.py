@@ -289,3 +289,30 @@ def test_onebit_adam_state_is_the_built_optimizers(dp, tmp_path):
         assert server * dp == worker  # the owned chunk of the worker's padded buffer
         want = real - server - worker + 4 * elements + 4 * -(-elements // dp)
         assert _predicted(args, dp, 0)[2] == want, (real, server, worker, elements)
+
+
+@pytest.mark.parametrize("dp_cp", [2, 3, 5])
+def test_fsdp2_rank_0_shard_is_the_first_chunk_of_every_parameters_rows(dp_cp):
+    """FSDP2 shards every parameter on dim 0 as ``torch.chunk`` does (rank 0's chunk the largest, ceil(rows / n)
+    rows): on random shapes whose rows the data-parallel size mostly does not divide, the planned fp32 parameter
+    and gradient bytes are rank 0's chunks' bytes (reference: torch.chunk of a tensor of each shape), and the
+    optimizer's the same elements times Adam's per-element bytes."""
+    import random
+
+    import torch
+
+    from omnitron.core.config.training import OptimizerConfig
+    from omnitron.plan.state import _fsdp2_bytes, master_bytes, moment_bytes
+
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    rng.seed(seed)
+    shapes = [(rng.randrange(1, 40),) + ((rng.randrange(1, 9),) if rng.random() < 0.7 else ()) for _ in range(6)]
+    module = torch.nn.Module()
+    for i, shape in enumerate(shapes):
+        module.register_parameter(f"p{i}", torch.nn.Parameter(torch.zeros(shape)))
+    n = sum(torch.chunk(torch.empty(shape), dp_cp, 0)[0].numel() for shape in shapes)
+    optim = OptimizerConfig()
+    got = _fsdp2_bytes([module], dp_cp, optim)
+    per = moment_bytes(optim, dtype=torch.float32) + master_bytes(optim, torch.float32)
+    assert (got.params, got.grads, got.optimizer) == (4 * n, 4 * n, per * n), (seed, shapes)

@@ -210,3 +210,75 @@ def test_the_reported_loss_is_the_unscaled_one_as_megatron(tmp_path):
         return train(parse_settings(_args(tmp_path / path, "--bf16", "--train-iters", "2", *extra), 1),
                      get_backend("cpu"))["losses"]
     assert run("huge", "--loss-scale", str(2.0 ** 127)) == run("plain")
+
+
+def test_skip_counter_stops_at_the_limit_th_consecutive_skip_and_a_taken_step_resets_it():
+    """--max-consecutive-skipped-iterations counts skips in a row: on random skip / take sequences the counter
+    raises at the first iteration closing a run of ``limit`` consecutive skips (reference: the run lengths counted
+    in plain Python), never earlier, and a limit of 0 never raises."""
+    import random
+
+    from omnitron.core.training.nonfinite import SkipCounter
+
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    rng.seed(seed)
+    for _ in range(200):
+        limit = rng.randrange(0, 5)
+        steps = [rng.random() < 0.6 for _ in range(rng.randrange(1, 30))]
+        want, run = None, 0
+        for i, skipped in enumerate(steps):
+            run = run + 1 if skipped else 0
+            if limit and run == limit:
+                want = i
+                break
+        counter, got = SkipCounter(limit), None
+        for i, skipped in enumerate(steps):
+            try:
+                counter.update(skipped, i, 0, 1024.0)
+            except TrainingStopped as err:
+                got = i
+                assert f"{limit} consecutive steps skipped" in str(err), (seed, err)
+                break
+        assert got == want, (seed, limit, steps)
+
+
+def weights_finite_with_one_bad_rank(cases: list) -> list[bool]:
+    """weights_finite on every rank for each case: the rank named there (None: no rank) holds one non-finite
+    master among three finite ones."""
+    import torch.distributed as dist
+
+    from omnitron.core.training.nonfinite import weights_finite
+
+    be = get_backend()
+    device, rank = be.current_device(), dist.get_rank()
+    out = []
+    for bad in cases:
+        flags = [torch.tensor(True, device=device) for _ in range(3)]
+        if bad == rank:
+            flags[1] = torch.tensor(False, device=device)
+        out.append(weights_finite(flags, be.collectives, device))
+    return out
+
+
+def test_weights_finite_is_false_on_every_rank_when_any_rank_holds_a_non_finite_master(backend_name):
+    """The weight check before a save is one verdict for all ranks (else one rank stops and the others wait in the
+    save's collectives): False everywhere when any one rank's masters are not all finite, True only when every
+    rank's are (reference: the definition, every flag of every rank true). 3 ranks, each rank bad in turn."""
+    from omnitron.testing.distributed import run_distributed
+
+    cases = [None, 0, 1, 2]
+    results = run_distributed(weights_finite_with_one_bad_rank, 3, cases, backend=backend_name, timeout_s=120)
+    assert results == [[bad is None for bad in cases]] * 3, results
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_an_infinite_or_nan_loss_stops_and_a_finite_one_does_not(value):
+    """check_loss stops on every non-finite loss, an overflow to +-inf as well as NaN (reference: math.isfinite),
+    and lets a finite one through, however large; switched off, nothing stops."""
+    from omnitron.core.training.nonfinite import check_loss
+
+    with pytest.raises(NonFiniteError, match=f"the loss is {value}"):
+        check_loss(value, True)
+    check_loss(value, False)
+    check_loss(1e308, True)

@@ -77,3 +77,26 @@ def test_collective_timeout_outlasts_the_watchdogs_longest_verdict(timeout):
     collective's own timeout at or under that would fire first and blame itself, not the rank at fault."""
     interval = heartbeat_interval(timeout)
     assert collective_timeout_s(timeout) > timeout + 0.5 * interval + 3 * interval + 2.0
+
+
+def test_a_watched_peer_is_named_frozen_once_silent_for_the_timeout_not_before():
+    """The rule the module states: the watched peer (rank + 1) is fired on once its counter has not moved for the
+    timeout, measured between this rank's own reads. Decided on the recorded times alone (no threads, no clock):
+    at a random timeout, silence 5% over it fires naming the peer, 5% under it does not, nor does any silence of a
+    peer whose last heartbeat says it finished."""
+    import random
+
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    rng.seed(seed)
+    timeout = rng.uniform(1.0, 600.0)
+    wd = Watchdog(2, 3, timeout, lambda: DictStore(), interval_s=heartbeat_interval(timeout))
+    wd._peer_info, wd._peer_seen = "pid 42 on host", 1000.0
+    for factor, fires in ((1.05, True), (0.95, False)):
+        wd._peer_read = wd._peer_seen + factor * timeout
+        verdict = wd._verdict(wd._peer_read)
+        assert (verdict is not None) is fires, (seed, factor, verdict)
+        if fires:
+            assert verdict[1] == 0 and verdict[0].startswith("rank 0 (pid 42 on host) sent no heartbeat"), verdict
+    wd._peer_done, wd._peer_read = True, wd._peer_seen + 10 * timeout
+    assert wd._verdict(wd._peer_read) is None, seed

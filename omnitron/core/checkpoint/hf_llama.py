@@ -51,7 +51,9 @@ def _rope(hf: dict) -> tuple[float, float]:
     return float(theta), float(params["factor"])
 
 
-def _llama_fields(hf: dict) -> dict:
+def _llama_fields(hf: dict, positions: int = 2048) -> dict:
+    """GPTConfig fields of a Llama-style config.json; ``positions``: the model type's own default
+    ``max_position_embeddings`` (transformers': Llama 2048, Qwen2 and Qwen3-MoE 32768), read where it is absent."""
     _check(hf, "hidden_act", lambda v: v == "silu", "omnitron's Llama MLP is SwiGLU (silu)")
     _check(hf, "partial_rotary_factor", lambda v: v == 1.0, "Llama rotates every channel")
     bias = bool(hf.get("attention_bias", False))
@@ -61,7 +63,7 @@ def _llama_fields(hf: dict) -> dict:
     h, heads = _need(hf, "hidden_size"), _need(hf, "num_attention_heads")
     head_dim, groups = hf.get("head_dim") or h // heads, hf.get("num_key_value_heads") or heads
     theta, factor = _rope(hf)
-    n = hf.get("max_position_embeddings", 2048)
+    n = hf.get("max_position_embeddings", positions)
     # defaults stay None (as a run's own flags leave them), so the checkpoint's shape check agrees
     return dict(num_layers=_need(hf, "num_hidden_layers"), hidden_size=h, num_attention_heads=heads,
                 num_query_groups=None if groups == heads else groups,
@@ -79,7 +81,7 @@ def _qwen2_fields(hf: dict) -> dict:
     """Qwen2 / Qwen2.5 (``Qwen2ForCausalLM``): Llama's maths with a bias on q/k/v only (o_proj and the MLP have
     none), i.e. Megatron's ``--disable-bias-linear --add-qkv-bias``."""
     # Qwen2Config has no attention_bias / mlp_bias: its q/k/v biases are fixed in the model
-    return {**_llama_fields({**hf, "attention_bias": False, "mlp_bias": False}), "add_qkv_bias": True,
+    return {**_llama_fields({**hf, "attention_bias": False, "mlp_bias": False}, positions=32768), "add_qkv_bias": True,
             **_qwen2_window(hf)}
 
 

@@ -94,7 +94,7 @@ def gpt_oss_fields(hf: dict) -> dict:
     L = _need(hf, "num_hidden_layers")
     types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(L)]
     window = hf.get("sliding_window")
-    n = hf.get("max_position_embeddings", 4096)
+    n = hf.get("max_position_embeddings", 131072)  # GptOssConfig's default
     return dict(num_layers=L, hidden_size=_need(hf, "hidden_size"),
                 num_attention_heads=_need(hf, "num_attention_heads"),
                 num_query_groups=_need(hf, "num_key_value_heads"), kv_channels=_need(hf, "head_dim"),
@@ -124,7 +124,8 @@ def qwen3_moe_fields(hf: dict) -> dict:
         raise HFConversionError(f"config.json: rope_type {kind!r} is not supported; omnitron implements plain RoPE, "
                                 "Llama-3.1 ('llama3') and YaRN ('yarn') for Qwen3-MoE")
     yarn = kind == "yarn"
-    out = _llama_fields({k: v for k, v in hf.items() if not (yarn and k in ("rope_parameters", "rope_scaling"))})
+    out = _llama_fields({k: v for k, v in hf.items() if not (yarn and k in ("rope_parameters", "rope_scaling"))},
+                        positions=32768)  # Qwen3MoeConfig's default
     if yarn:
         out.update(_gqa_rope(hf))
     L, step = out["num_layers"], int(hf.get("decoder_sparse_step", 1))
