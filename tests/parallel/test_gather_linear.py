@@ -98,12 +98,14 @@ def _split_case(seed: int) -> dict:
     groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True), backend=be)
     tp, r = groups.tp.size, groups.tp.rank
     gen = torch.Generator().manual_seed(seed)  # the test's fresh seed: the same inputs on both ranks
-    x, w, dy = (torch.randn(*shape, generator=gen, dtype=torch.float64) for shape in ((S, B, H), (OUT, H), (S, B, OUT)))
+    x, w, bvec, dy = (torch.randn(*shape, generator=gen, dtype=torch.float64)
+                      for shape in ((S, B, H), (OUT, H), (OUT,), (S, B, OUT)))
     rows, seq = slice(r * OUT // tp, (r + 1) * OUT // tp), slice(r * S // tp, (r + 1) * S // tp)
-    layer = ColumnParallelLinear(H, OUT, group=groups.tp, bias=False, sequence_parallel=True, dtype=torch.float64,
+    layer = ColumnParallelLinear(H, OUT, group=groups.tp, bias=True, sequence_parallel=True, dtype=torch.float64,
                                  device=be.device())
     with torch.no_grad():
         layer.weight.copy_(w[rows])
+        layer.bias.copy_(bvec[rows])
     shard = x[seq].clone().to(be.device()).requires_grad_()
     calls = []
     for name in ("reduce_scatter_first", "gather_first"):
@@ -114,22 +116,25 @@ def _split_case(seed: int) -> dict:
     g_in, plan = backward_input(y, dy[:, :, rows].to(be.device()), shard, list(layer.parameters()))
     in_b, calls[:] = list(calls), []
     plan.run()
-    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-    (torch.nn.functional.linear(xr, wr) * dy).sum().backward()
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, bvec))
+    (torch.nn.functional.linear(xr, wr, br) * dy).sum().backward()
+    db = layer.bias.grad  # W's: B must leave it to W (None here when neither half computed it)
     return {"b": in_b, "w": list(calls), "fallback": plan.fallback,
             "err": {"dx": relative_error(g_in.cpu(), xr.grad[seq]),
-                    "dw": relative_error(layer.weight.grad.cpu(), wr.grad[rows])}}
+                    "dw": relative_error(layer.weight.grad.cpu(), wr.grad[rows]),
+                    "db": float("inf") if db is None else relative_error(db.cpu(), br.grad[rows])}}
 
 
 def test_split_backward_runs_each_collective_once_tp2():
-    """B runs the data gradient and its reduce-scatter only, W the re-gather and the weight gradient only (once
-    both ran in each: two reduce-scatters and two all-gathers a layer, split_backward.py); gradients as above."""
+    """B runs the data gradient and its reduce-scatter only, W the re-gather and the weight and bias gradients only
+    (once both ran in each: two reduce-scatters and two all-gathers a layer, split_backward.py); gradients as above,
+    the bias's included (a bias gradient made in B is dropped: B's autograd.grad asks for the stage input only)."""
     seed = int.from_bytes(os.urandom(4), "little")
     for got in run_distributed(_split_case, 2, seed):
         assert not got["fallback"], seed
         assert (got["b"], got["w"]) == (["reduce_scatter_first"], ["gather_first"]), (seed, got)
         # float64 sums in another order: dx sums OUT = 12 products (6 a rank, then the reduce-scatter adds the
-        # two), dW s b = 16. A sum of n terms errs by at most n u sum|terms|; on these normal draws sum|terms| /
-        # |sum| is ~ sqrt(n) ~ 4 in the norm, so ~ 16 x 4 x 1.1e-16 ~ 7e-15 relative: 1e-12 leaves > 100x, and a
-        # wrong shard, a missing reduce-scatter or the wrong rows err by O(1)
+        # two), dW and db s b = 16 each. A sum of n terms errs by at most n u sum|terms|; on these normal draws
+        # sum|terms| / |sum| is ~ sqrt(n) ~ 4 in the norm, so ~ 16 x 4 x 1.1e-16 ~ 7e-15 relative: 1e-12 leaves
+        # > 100x, and a wrong shard, a missing reduce-scatter, the wrong rows or a lost bias gradient err by O(1)
         assert max(got["err"].values()) < 1e-12, (seed, got["err"])
