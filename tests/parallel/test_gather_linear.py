@@ -138,3 +138,60 @@ def test_split_backward_runs_each_collective_once_tp2():
         # sum|terms| / |sum| is ~ sqrt(n) ~ 4 in the norm, so ~ 16 x 4 x 1.1e-16 ~ 7e-15 relative: 1e-12 leaves
         # > 100x, and a wrong shard, a missing reduce-scatter, the wrong rows or a lost bias gradient err by O(1)
         assert max(got["err"].values()) < 1e-12, (seed, got["err"])
+
+
+def _autocast_case(seed: int) -> dict:
+    """The tp2 sequence-parallel layer (float32 parameters) under bf16 autocast, and what its forward saved: the
+    shard cast as autocast's ``F.linear`` casts it (bf16), so the backward's GEMMs meet operands of one dtype.
+    Relative errors against float64 on the bf16-rounded operands (the roundings autocast itself makes)."""
+    from omnitron.backends import get_backend
+    from omnitron.core.config.parallel import ParallelConfig
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.parallel.tensor.layers import ColumnParallelLinear
+    from omnitron.testing.parity import relative_error
+
+    torch.set_num_threads(1)
+    be = get_backend()
+    dev = be.device()
+    if not torch.amp.is_autocast_available(dev.type):
+        return {}
+    groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True), backend=be)
+    tp, r = groups.tp.size, groups.tp.rank
+    gen = torch.Generator().manual_seed(seed)
+    x, w, bvec, dy = (torch.randn(*shape, generator=gen) for shape in ((S, B, H), (OUT, H), (OUT,), (S, B, OUT)))
+    rows, seq = slice(r * OUT // tp, (r + 1) * OUT // tp), slice(r * S // tp, (r + 1) * S // tp)
+    layer = ColumnParallelLinear(H, OUT, group=groups.tp, bias=True, sequence_parallel=True, device=dev)
+    with torch.no_grad():
+        layer.weight.copy_(w[rows])
+        layer.bias.copy_(bvec[rows])
+    shard = x[seq].clone().to(dev).requires_grad_()
+    with torch.autocast(dev.type, dtype=torch.bfloat16):
+        y = layer(shard)
+    saved = [t.dtype for t in y.grad_fn.saved_tensors] if hasattr(y.grad_fn, "saved_tensors") else []
+    (y.float() * dy[:, :, rows].to(dev)).sum().backward()  # y.float()'s backward rounds dy to bf16
+    xr, wr, br = (t.bfloat16().double().requires_grad_() for t in (x, w, bvec))
+    yr = torch.nn.functional.linear(xr, wr, br)
+    (yr * dy.bfloat16().double()).sum().backward()
+    return {"dtype": y.dtype, "saved": saved,
+            "err": {"y": relative_error(y.cpu(), yr[:, :, rows].detach()),
+                    "dx": relative_error(shard.grad.cpu(), xr.grad[seq]),
+                    "dw": relative_error(layer.weight.grad.cpu(), wr.grad[rows]),
+                    "db": relative_error(layer.bias.grad.cpu(), br.grad[rows])}}
+
+
+def test_sp_column_parallel_under_autocast_tp2():
+    """Under bf16 autocast the layer computes in bf16 from its float32 shard and weights (as ``F.linear`` would)
+    and saves the bf16 shard; its backward then multiplies bf16 by bf16 (a float32 shard saved there fails the
+    weight gradient's GEMM). Bounds: with the operands rounded to bf16 in the reference too, what is left is the
+    float32 accumulation (<= 24 terms: ~1e-6) and the bf16 rounding of each result, at most u = 2^-8 relative per
+    element (y, dW, db: normwise <= u); dx is each rank's bf16 partial product (u each; on these normal draws
+    normwise ~sqrt(2) u over the two independent partials) summed by the reduce-scatter in bf16 (u more): ~2.4 u.
+    3 u bounds all four (measured: ~0.5 u on y, dW, db, ~0.65 u on dx); a gradient of the wrong rows or a lost
+    term errs by O(1)."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    for got in run_distributed(_autocast_case, 2, seed):
+        if not got:  # no autocast on this device type
+            continue
+        assert got["dtype"] == torch.bfloat16, (seed, got)
+        assert got["saved"] and set(got["saved"]) <= {torch.bfloat16}, (seed, got["saved"])
+        assert max(got["err"].values()) < 3 * 2 ** -8, (seed, got["err"])
