@@ -163,10 +163,11 @@ def _ref_balance_loss(z: torch.Tensor, k: int, b: int, coeff: float, score_funct
 
 
 @pytest.mark.parametrize("balancing", ["aux_loss", "seq_aux_loss"])
-@pytest.mark.parametrize("case", [0, 1, 3])
+@pytest.mark.parametrize("case", [0, 1, 2, 3])
 def test_balance_loss_counts_the_unbiased_unrestricted_top_k(case, balancing):
     """The load-balancing loss counts each token's top k of its scores over all experts, not the router's picks
-    (which the group limit and the expert bias steer): value and input gradient against :func:`_ref_balance_loss`.
+    (which the group limit and the expert bias steer, each alone or together: cases 0, 2 and 1): value and input
+    gradient against :func:`_ref_balance_loss`.
     Logits are set exactly (router weight [I | 0]) and spaced 0.37 apart, so float32 routing has no near-ties."""
     from omnitron.core.transformer.moe.router import TopKRouter
 
