@@ -163,10 +163,11 @@ def _ref_balance_loss(z: torch.Tensor, k: int, b: int, coeff: float, score_funct
 
 
 @pytest.mark.parametrize("balancing", ["aux_loss", "seq_aux_loss"])
-@pytest.mark.parametrize("case", [0, 1, 3])
+@pytest.mark.parametrize("case", [0, 1, 2, 3])
 def test_balance_loss_counts_the_unbiased_unrestricted_top_k(case, balancing):
     """The load-balancing loss counts each token's top k of its scores over all experts, not the router's picks
-    (which the group limit and the expert bias steer): value and input gradient against :func:`_ref_balance_loss`.
+    (which the group limit and the expert bias steer, each alone or together: cases 0, 2 and 1): value and input
+    gradient against :func:`_ref_balance_loss`.
     Logits are set exactly (router weight [I | 0]) and spaced 0.37 apart, so float32 routing has no near-ties."""
     from omnitron.core.transformer.moe.router import TopKRouter
 
@@ -193,3 +194,56 @@ def test_balance_loss_counts_the_unbiased_unrestricted_top_k(case, balancing):
     aux.backward()
     ref.backward()
     torch.testing.assert_close(x.grad[:, :E], zr.grad, rtol=1e-12, atol=1e-13)
+
+
+def _bias_update_case(seed: int) -> dict:
+    """tp2 x dp2: two routers per rank with this rank's step counts (tp rank 0 heavy on experts 0-3, tp rank 1 on
+    4-7, so the dp-only sums disagree in sign with the whole sums), updated with and without sequence parallelism."""
+    from omnitron.backends import get_backend
+    from omnitron.core.config.parallel import ParallelConfig
+    from omnitron.core.transformer.moe.router import TopKRouter, update_expert_bias
+
+    be = get_backend()
+    groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True), backend=be)
+    c = _config(**CASES[2])
+    out = {}
+    for sp in (True, False):
+        routers = [TopKRouter(c, partial_grad=sp).train().to(be.device()) for _ in range(2)]
+        for i, r in enumerate(routers):
+            r.tokens_per_expert.copy_(_step_counts(seed, i, groups.tp.rank, groups.dp.rank, sp))
+        update_expert_bias(routers, groups, sequence_parallel=sp)
+        out[sp] = [r.expert_bias.tolist() for r in routers]
+        assert not any(r.tokens_per_expert.any() for r in routers)
+    return out
+
+
+def _step_counts(seed: int, router: int, tp_rank: int, dp_rank: int, sp: bool) -> torch.Tensor:
+    """Integer token counts ``[8]`` of one router on one rank: without sequence parallelism the tp ranks route the
+    same tokens (the same counts), with it each tp rank counts its own shard's."""
+    gen = torch.Generator().manual_seed(seed * 16 + router * 4 + (tp_rank if sp else 0) * 2 + dp_rank)
+    heavy = torch.zeros(8)
+    heavy[4 * (tp_rank if sp else router % 2):][:4] = 12.0
+    return heavy + torch.randint(0, 4, (8,), generator=gen).float()
+
+
+def test_expert_bias_update_sums_the_counts_of_the_ranks_whose_tokens_differ():
+    """``update_expert_bias`` moves each router's bias by ``rate * sign(mean - count)`` of its counts summed over
+    dp x cp and, under sequence parallelism, tp (whose ranks then route different shards); without it the tp
+    ranks hold the same counts. Against the rule applied to the counts summed here (rank order tp-cp-ep-dp-pp:
+    tp rank = rank % 2, dp rank = rank // 2). Exact: integer counts, a float32 bias of +-rate from zero."""
+    from omnitron.testing.distributed import run_distributed
+
+    seed = int.from_bytes(__import__("os").urandom(3), "little")
+    rate = CASES[2]["moe_router_bias_update_rate"]
+    got = run_distributed(_bias_update_case, 4, seed)
+    for rank, res in enumerate(got):
+        for sp in (True, False):
+            for i in range(2):
+                ranks = [(t, d) for t in range(2) for d in range(2)] if sp else [(rank % 2, d) for d in range(2)]
+                n = sum(_step_counts(seed, i, t, d, sp) for t, d in ranks)
+                want = torch.sign(n.mean() - n).mul(rate).float()
+                assert res[sp][i] == want.tolist(), (seed, rank, sp, i, res[sp][i], want.tolist())
+    # the test discriminates: at sequence parallelism the dp-only sums (tp not reduced) give other signs
+    n_dp = sum(_step_counts(seed, 0, 0, d, True) for d in range(2))
+    n_all = sum(_step_counts(seed, 0, t, d, True) for t in range(2) for d in range(2))
+    assert not torch.equal(torch.sign(n_dp.mean() - n_dp), torch.sign(n_all.mean() - n_all))

@@ -98,12 +98,14 @@ def _split_case(seed: int) -> dict:
     groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True), backend=be)
     tp, r = groups.tp.size, groups.tp.rank
     gen = torch.Generator().manual_seed(seed)  # the test's fresh seed: the same inputs on both ranks
-    x, w, dy = (torch.randn(*shape, generator=gen, dtype=torch.float64) for shape in ((S, B, H), (OUT, H), (S, B, OUT)))
+    x, w, bvec, dy = (torch.randn(*shape, generator=gen, dtype=torch.float64)
+                      for shape in ((S, B, H), (OUT, H), (OUT,), (S, B, OUT)))
     rows, seq = slice(r * OUT // tp, (r + 1) * OUT // tp), slice(r * S // tp, (r + 1) * S // tp)
-    layer = ColumnParallelLinear(H, OUT, group=groups.tp, bias=False, sequence_parallel=True, dtype=torch.float64,
+    layer = ColumnParallelLinear(H, OUT, group=groups.tp, bias=True, sequence_parallel=True, dtype=torch.float64,
                                  device=be.device())
     with torch.no_grad():
         layer.weight.copy_(w[rows])
+        layer.bias.copy_(bvec[rows])
     shard = x[seq].clone().to(be.device()).requires_grad_()
     calls = []
     for name in ("reduce_scatter_first", "gather_first"):
@@ -114,22 +116,82 @@ def _split_case(seed: int) -> dict:
     g_in, plan = backward_input(y, dy[:, :, rows].to(be.device()), shard, list(layer.parameters()))
     in_b, calls[:] = list(calls), []
     plan.run()
-    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-    (torch.nn.functional.linear(xr, wr) * dy).sum().backward()
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, bvec))
+    (torch.nn.functional.linear(xr, wr, br) * dy).sum().backward()
+    db = layer.bias.grad  # W's: B must leave it to W (None here when neither half computed it)
     return {"b": in_b, "w": list(calls), "fallback": plan.fallback,
             "err": {"dx": relative_error(g_in.cpu(), xr.grad[seq]),
-                    "dw": relative_error(layer.weight.grad.cpu(), wr.grad[rows])}}
+                    "dw": relative_error(layer.weight.grad.cpu(), wr.grad[rows]),
+                    "db": float("inf") if db is None else relative_error(db.cpu(), br.grad[rows])}}
 
 
 def test_split_backward_runs_each_collective_once_tp2():
-    """B runs the data gradient and its reduce-scatter only, W the re-gather and the weight gradient only (once
-    both ran in each: two reduce-scatters and two all-gathers a layer, split_backward.py); gradients as above."""
+    """B runs the data gradient and its reduce-scatter only, W the re-gather and the weight and bias gradients only
+    (once both ran in each: two reduce-scatters and two all-gathers a layer, split_backward.py); gradients as above,
+    the bias's included (a bias gradient made in B is dropped: B's autograd.grad asks for the stage input only)."""
     seed = int.from_bytes(os.urandom(4), "little")
     for got in run_distributed(_split_case, 2, seed):
         assert not got["fallback"], seed
         assert (got["b"], got["w"]) == (["reduce_scatter_first"], ["gather_first"]), (seed, got)
         # float64 sums in another order: dx sums OUT = 12 products (6 a rank, then the reduce-scatter adds the
-        # two), dW s b = 16. A sum of n terms errs by at most n u sum|terms|; on these normal draws sum|terms| /
-        # |sum| is ~ sqrt(n) ~ 4 in the norm, so ~ 16 x 4 x 1.1e-16 ~ 7e-15 relative: 1e-12 leaves > 100x, and a
-        # wrong shard, a missing reduce-scatter or the wrong rows err by O(1)
+        # two), dW and db s b = 16 each. A sum of n terms errs by at most n u sum|terms|; on these normal draws
+        # sum|terms| / |sum| is ~ sqrt(n) ~ 4 in the norm, so ~ 16 x 4 x 1.1e-16 ~ 7e-15 relative: 1e-12 leaves
+        # > 100x, and a wrong shard, a missing reduce-scatter, the wrong rows or a lost bias gradient err by O(1)
         assert max(got["err"].values()) < 1e-12, (seed, got["err"])
+
+
+def _autocast_case(seed: int) -> dict:
+    """The tp2 sequence-parallel layer (float32 parameters) under bf16 autocast, and what its forward saved: the
+    shard cast as autocast's ``F.linear`` casts it (bf16), so the backward's GEMMs meet operands of one dtype.
+    Relative errors against float64 on the bf16-rounded operands (the roundings autocast itself makes)."""
+    from omnitron.backends import get_backend
+    from omnitron.core.config.parallel import ParallelConfig
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.parallel.tensor.layers import ColumnParallelLinear
+    from omnitron.testing.parity import relative_error
+
+    torch.set_num_threads(1)
+    be = get_backend()
+    dev = be.device()
+    if not torch.amp.is_autocast_available(dev.type):
+        return {}
+    groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True), backend=be)
+    tp, r = groups.tp.size, groups.tp.rank
+    gen = torch.Generator().manual_seed(seed)
+    x, w, bvec, dy = (torch.randn(*shape, generator=gen) for shape in ((S, B, H), (OUT, H), (OUT,), (S, B, OUT)))
+    rows, seq = slice(r * OUT // tp, (r + 1) * OUT // tp), slice(r * S // tp, (r + 1) * S // tp)
+    layer = ColumnParallelLinear(H, OUT, group=groups.tp, bias=True, sequence_parallel=True, device=dev)
+    with torch.no_grad():
+        layer.weight.copy_(w[rows])
+        layer.bias.copy_(bvec[rows])
+    shard = x[seq].clone().to(dev).requires_grad_()
+    with torch.autocast(dev.type, dtype=torch.bfloat16):
+        y = layer(shard)
+    saved = [t.dtype for t in y.grad_fn.saved_tensors] if hasattr(y.grad_fn, "saved_tensors") else []
+    (y.float() * dy[:, :, rows].to(dev)).sum().backward()  # y.float()'s backward rounds dy to bf16
+    xr, wr, br = (t.bfloat16().double().requires_grad_() for t in (x, w, bvec))
+    yr = torch.nn.functional.linear(xr, wr, br)
+    (yr * dy.bfloat16().double()).sum().backward()
+    return {"dtype": y.dtype, "saved": saved,
+            "err": {"y": relative_error(y.cpu(), yr[:, :, rows].detach()),
+                    "dx": relative_error(shard.grad.cpu(), xr.grad[seq]),
+                    "dw": relative_error(layer.weight.grad.cpu(), wr.grad[rows]),
+                    "db": relative_error(layer.bias.grad.cpu(), br.grad[rows])}}
+
+
+def test_sp_column_parallel_under_autocast_tp2():
+    """Under bf16 autocast the layer computes in bf16 from its float32 shard and weights (as ``F.linear`` would)
+    and saves the bf16 shard; its backward then multiplies bf16 by bf16 (a float32 shard saved there fails the
+    weight gradient's GEMM). Bounds: with the operands rounded to bf16 in the reference too, what is left is the
+    float32 accumulation (<= 24 terms: ~1e-6) and the bf16 rounding of each result, at most u = 2^-8 relative per
+    element (y, dW, db: normwise <= u); dx is each rank's bf16 partial product (u each; on these normal draws
+    normwise ~sqrt(2) u over the two independent partials) summed by the reduce-scatter in bf16 (u more): ~2.4 u.
+    3 u bounds all four (measured: ~0.5 u on y, dW, db, ~0.65 u on dx); a gradient of the wrong rows or a lost
+    term errs by O(1)."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    for got in run_distributed(_autocast_case, 2, seed):
+        if not got:  # no autocast on this device type
+            continue
+        assert got["dtype"] == torch.bfloat16, (seed, got)
+        assert got["saved"] and set(got["saved"]) <= {torch.bfloat16}, (seed, got["saved"])
+        assert max(got["err"].values()) < 3 * 2 ** -8, (seed, got["err"])

@@ -33,6 +33,12 @@ def test_every_schedule_is_complete_ordered_and_deadlock_free(name, pp, vp, m):
             assert 0 < sum(a.kind == "W" for a in table) < m * vp
         else:
             assert all(a.kind != "W" for a in table)
+        # a chunk's W passes run in the order of their B passes (first in, first out: the paper's ZB-H1 / ZB-V and
+        # DualPipe's weight-gradient queue), so the oldest held micro-batch is released first
+        for c in range(vp):
+            split = {a.microbatch for a in table if a.kind == "W" and a.chunk == c}
+            b_order = [a.microbatch for a in table if a.kind == "B" and a.chunk == c and a.microbatch in split]
+            assert [a.microbatch for a in table if a.kind == "W" and a.chunk == c] == b_order, (r, c)
     # the simulation honours dependencies: a stage's F starts after the previous stage's F ends
     ends = {(s.stage(r, a.chunk), a.kind, a.microbatch): (st, en) for r, sp in tl.spans.items() for st, en, a in sp}
     for (k, kind, i), (st, _) in ends.items():

@@ -138,3 +138,53 @@ def test_missing_inputs_are_explained():
         GPTModel(c, g)(hidden=torch.zeros(4, 1, 128))
     with pytest.raises(ValueError, match="hidden"):
         GPTModel(c, g, pre_process=False, layer_offset=0, num_layers=1)(tokens=torch.zeros(1, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_linears_skip_bias_add_hand_back_the_bias_unadded(skip):
+    """``skip_bias_add``: the column and row linears return ``(X W^T, bias)`` for a fused op to add the bias (bias
+    GeLU / SwiGLU, bias-dropout-add), else ``X W^T + b``. Against float64 sums on fresh inputs; the GEMM only
+    reorders h = 16 products of O(1) terms: <= 16 u x 16 ~ 3e-14, so 1e-12; a bias added twice or lost errs by O(1)."""
+    from omnitron.core.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+
+    x = torch.randn(3, 2, 16, dtype=torch.float64)
+    for cls in (ColumnParallelLinear, RowParallelLinear):
+        layer = cls(16, 8, group=G1, skip_bias_add=skip, dtype=torch.float64)
+        with torch.no_grad():
+            layer.weight.normal_()
+            layer.bias.normal_()
+        w, b = layer.weight.detach(), layer.bias.detach()
+        want = (x.unsqueeze(-2) * w).sum(-1)  # [3, 2, 8], float64 sums of the products
+        out = layer(x)
+        if skip:
+            assert isinstance(out, tuple) and out[1] is layer.bias, cls.__name__
+            torch.testing.assert_close(out[0], want, rtol=1e-12, atol=1e-12, msg=cls.__name__)
+        else:
+            torch.testing.assert_close(out, want + b, rtol=1e-12, atol=1e-12, msg=cls.__name__)
+
+
+def test_swiglu_mlp_with_biases_adds_each_bias_once():
+    """A SwiGLU MLP with biases whose activation resolves to a fused kernel (the table's swiglu is not the reference:
+    fc1 hands its bias to the kernel) against the float64 formula ``(silu(x Wg^T + bg) * (x Wu^T + bu)) W2^T + b2``
+    on fresh inputs. Float64 (u = 1.1e-16): the output sums f = 32 products of magnitude <= ~50 after h = 16 in each
+    pre-activation, so reordering errs by <= ~48 u x 32 x 50 ~ 1e-11 in the worst case, ~1e-13 typically; rtol and
+    atol 1e-10. A bias added twice or lost errs by O(1)."""
+    from omnitron.core.transformer.mlp import MLP, fused_activation
+
+    be = get_backend()
+    c = llama_tiny(hidden_size=16, ffn_hidden_size=32, add_bias_linear=True, params_dtype=torch.float64)
+    if not fused_activation(c, be.kernels):
+        pytest.skip("this backend's swiglu is the reference: fc1 adds its own bias")
+    mlp = MLP(c, group=G1, sequence_parallel=False, backend=be, out_std=0.02, skip_out_bias=False)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.normal_()
+    x = torch.randn(3, 2, 16, dtype=torch.float64)
+    w1, b1 = mlp.linear_fc1.weight.detach(), mlp.linear_fc1.bias.detach()
+    w2, b2 = mlp.linear_fc2.weight.detach(), mlp.linear_fc2.bias.detach()
+    h = (x.unsqueeze(-2) * w1).sum(-1) + b1  # [3, 2, 64]: gate rows, then up rows
+    act = F.silu(h[..., :32]) * h[..., 32:]
+    want = (act.unsqueeze(-2) * w2).sum(-1) + b2
+    y, bias = mlp(x)
+    assert bias is None
+    torch.testing.assert_close(y, want, rtol=1e-10, atol=1e-10)
