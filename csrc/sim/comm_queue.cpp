@@ -368,7 +368,7 @@ void watchdog(int index) {
   Queue& q = g_queues[index];
   for (;;) {
     std::vector<std::shared_ptr<CollectiveWait>> stuck;  // the groups of a deadlock reported here
-    std::string report;
+    std::string report, broken;
     {
       std::unique_lock<std::mutex> lock(q.m);
       if (q.cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return q.stop; })) return;
@@ -378,8 +378,10 @@ void watchdog(int index) {
         report_deadlock(q, index, waited);
         report = q.broken;
       }
+      broken = q.broken;
     }
     tell_members(stuck, report);
+    publish_stuck(index, broken);  // once per report: a peer blocked on an operation this rank never issues raises it
     poll_p2p_reports(q, index);
     poll_blocked(q, index);
     poll_pair_waits(q, index);
