@@ -10,7 +10,8 @@ collective the member never issued) raises it, naming the stuck rank and its rep
 The program, 4 ranks: rank 2 destroys group A = [1, 2]; rank 1 all-reduces on A (NCCL hangs there: reported within
 about a second, test_sim_released_group.py) before its send to rank 0; rank 0 waits in the receive from rank 1
 (unbatched, or in a batch_isend_irecv) before its all-reduce on B = [0, 3]; rank 3 all-reduces on B. Each of ranks 1,
-0 and 3 fails, naming the one before it, within FAST_S.
+0 and 3 fails, naming the one before it, within FAST_S. A member that released the group before posting the
+counterpart of a peer's blocked send or receive is reported the same way (it waited for the bound before too).
 """
 from __future__ import annotations
 
@@ -84,3 +85,46 @@ def test_a_wait_on_a_stuck_peer_raises_its_report(batched):
     assert "which rank 1 never issues" in m and released in m, m  # rank 0's report, which holds rank 1's
     for r in (r0, r1, r3):
         assert r["s"] < FAST_S, (r0, r1, r3)
+
+
+def released_before_its_send(batched: bool) -> dict:
+    """Rank 1 destroys a new group [0, 1] (kept referenced: its connections stay open) without posting the send that
+    rank 0 then waits for on it, unbatched or in a batch. Per rank: "" or the error's first line, and the seconds."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+
+    from tests.sim.test_sim_group_order import _exit_soon
+
+    dev, me = get_backend().device(), dist.get_rank()
+    g = dist.new_group([0, 1])
+    _KEEP.append(g)
+    t = torch.ones(8, device=dev)
+    start = time.monotonic()
+    error = ""
+    if me == 1:
+        dist.destroy_process_group(g)
+    else:
+        try:
+            if batched:
+                [work] = dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, 1, group=g)])
+                work.wait()
+            else:
+                dist.recv(t, 1, group=g)
+        except RuntimeError as err:
+            error = str(err).splitlines()[0]
+    _exit_soon()  # rank 0 holds a broken communicator
+    return {"error": error, "s": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["unbatched", "batched"])
+def test_a_wait_on_a_peer_that_released_the_group_fails_fast(batched):
+    r0, r1 = run_distributed(released_before_its_send, 2, batched, backend="sim", env=ENV, timeout_s=90)
+    m = r0["error"]
+    assert m.startswith("sim: point-to-point deadlock on group '"), m
+    assert "for rank 1's matching operation, which rank 1 never issues: it released the group" in m, m
+    assert "test_sim_stuck_peers.py" in m, m  # the receive's call site
+    assert r0["s"] < FAST_S and r1["error"] == "", (r0, r1)
