@@ -189,6 +189,7 @@ void publish_released(const c10::intrusive_ptr<c10d::Store>& group_store, const 
     group_store->deleteKey(member_key(i));
     group_store->deleteKey(gone_key(i));
   }
+  group_store->deleteKey(kBlockedVersion);  // bumped by every release (publish_gone), blocked waits or none
   group_store->deleteKey(kReleasesKey);
 }
 
@@ -234,7 +235,7 @@ std::string CollectiveWait::told() const {
 std::string CollectiveWait::released_member() const {
   for (int i = 0; i < size_; ++i) {
     if (i == rank_) continue;  // this rank waits: it released nothing
-    if (Gone g = member_gone(*group_store_, i); g.stuck && g.issued < k_) {  // its device broke first (stuck.cpp)
+    if (Gone g = member_gone(*group_store_, i); g.stuck && g.issued < k_ && !report_left_unread()) {  // stuck.cpp
       std::ostringstream os;
       os << "sim: collective deadlock on group '" << group_ << "': rank " << global_ << " waits in wait() on " << op_
          << " (collective #" << k_ << " of the group) for rank " << peek(*group_store_, member_key(i)) << " (rank "

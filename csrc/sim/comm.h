@@ -260,5 +260,9 @@ struct Gone {
   std::string report;
 };
 Gone member_gone(c10d::Store& store, int rank);
+// Whether a report left for this process by a peer (a point-to-point deadlock, a cycle) waits unread under the
+// report key of a group it watches (comm_queue.cpp): the watchdog breaks the device with that report itself, the
+// same failure a stuck peer's report would say again, so a stuck peer is not reported meanwhile.
+bool report_left_unread();
 
 }  // namespace sim

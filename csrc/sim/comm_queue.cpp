@@ -339,11 +339,13 @@ void poll_p2p_reports(Queue& q, int index) {
     try {
       if (!w.pace->due(now) || !w.store->check({w.key})) continue;
       auto raw = w.store->get(w.key);
-      w.store->deleteKey(w.key);
       std::string report(raw.begin(), raw.end());
       if (w.on_report) w.on_report(report);
-      std::lock_guard<std::mutex> lock(q.m);
-      if (q.broken.empty()) abort_queue(q, report);
+      {
+        std::lock_guard<std::mutex> lock(q.m);
+        if (q.broken.empty()) abort_queue(q, report);
+      }
+      w.store->deleteKey(w.key);  // after the break: report_left_unread() sees the key or the broken device
     } catch (const std::exception&) {  // the store is gone: the job is ending
     }
   }
@@ -429,6 +431,21 @@ void p2p_activity(const void* owner) {
   std::lock_guard<std::mutex> lock(g_watch_mutex);
   for (const auto& w : g_watches)
     if (w.owner == owner) w.pace->activity.fetch_add(1);
+}
+
+bool report_left_unread() {
+  std::vector<std::pair<c10::intrusive_ptr<c10d::Store>, std::string>> keys;
+  {
+    std::lock_guard<std::mutex> lock(g_watch_mutex);
+    for (const auto& w : g_watches) keys.emplace_back(w.store, w.key);
+  }
+  for (const auto& [store, key] : keys) {
+    try {
+      if (store->check({key})) return true;
+    } catch (const std::exception&) {  // the store is gone: the job is ending
+    }
+  }
+  return false;
 }
 
 void unwatch_p2p(const void* owner) {

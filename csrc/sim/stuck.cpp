@@ -8,6 +8,8 @@
 // the device's watchdog (or at a communicator's release, whichever comes first), and a release publishes "R" where
 // nothing was: a peer's blocked wait whose counterpart that member never posted raises it at its next search
 // (BlockedWait::poll, CollectiveWait::poll), since each bump of the version counters makes a search due.
+// A report a peer left for this rank (report_left_unread: a point-to-point deadlock, a cycle told to the group) comes
+// first: the watchdog breaks this rank's device with it, the same failure said once, not wrapped in a stuck peer's.
 // Sound: a broken device raises from every later operation (enqueue, check_unbroken), so a member published stuck
 // issues nothing more, and a released group takes no operation. ASSUMED, as the cycle searches do: one device per
 // rank (a rank whose one device broke could go on issuing on another). Costs a few store operations per group when a

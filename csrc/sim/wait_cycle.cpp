@@ -129,7 +129,7 @@ CycleReport BlockedWait::poll() {
 
 std::string BlockedWait::peer_gone() {
   Gone g = member_gone(*store_, peer_);
-  if (!g.stuck && !g.released) return "";
+  if ((!g.stuck && !g.released) || (g.stuck && report_left_unread())) return "";  // said by the report left here
   std::string value = peek(*store_, key_);  // read after: the counterpart still unposted then, so never posted
   if (value.empty() || value == kAbsent || value == "+" || value == "!") return "";
   std::ostringstream os;
