@@ -38,7 +38,7 @@ namespace {
 
 constexpr std::chrono::milliseconds kQuiet{100};
 const char kAbsent[] = "\x01";
-const char kVersionKey[] = "simccl/cwait/version";  // bumped at every change of a record
+const char* const kVersionKey = kCollectiveVersion;  // bumped at every change of a record (and by stuck.cpp)
 
 std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
 
@@ -187,7 +187,9 @@ void publish_released(const c10::intrusive_ptr<c10d::Store>& group_store, const 
   for (int i = 0; i < size; ++i) {  // the last to release: no member waits on the group, none reads these again
     group_store->deleteKey(released_key(i));
     group_store->deleteKey(member_key(i));
+    group_store->deleteKey(gone_key(i));
   }
+  group_store->deleteKey(kBlockedVersion);  // bumped by every release (publish_gone), blocked waits or none
   group_store->deleteKey(kReleasesKey);
 }
 
@@ -233,6 +235,14 @@ std::string CollectiveWait::told() const {
 std::string CollectiveWait::released_member() const {
   for (int i = 0; i < size_; ++i) {
     if (i == rank_) continue;  // this rank waits: it released nothing
+    if (Gone g = member_gone(*group_store_, i); g.stuck && g.issued < k_ && !report_left_unread()) {  // stuck.cpp
+      std::ostringstream os;
+      os << "sim: collective deadlock on group '" << group_ << "': rank " << global_ << " waits in wait() on " << op_
+         << " (collective #" << k_ << " of the group) for rank " << peek(*group_store_, member_key(i)) << " (rank "
+         << i << " of the group), which issued " << g.issued << " of the group's collectives and issues no more: it "
+         << "is stuck (NCCL hangs there, and this wait behind it): " << g.report;
+      return os.str();
+    }
     std::string issued = peek(*group_store_, released_key(i));
     if (issued == kAbsent || issued.empty() || std::stoll(issued) >= k_) continue;
     std::ostringstream os;

@@ -70,7 +70,12 @@ class SimCollectives final : public c10d::Backend {
         global_rank_(global_rank < 0 ? getRank() : global_rank),
         incarnation_(incarnation) {
     g_live_communicators.fetch_add(1);
-    if (getSize() > 1) publish_member(*store_, getRank(), global_rank_);  // read by blocked waits' records
+    if (getSize() <= 1) return;
+    publish_member(*store_, getRank(), global_rank_);  // read by blocked waits' records
+    remember_member(this, store_, group(), getRank(), [this] {  // published stuck when its device breaks
+      std::lock_guard<std::mutex> lock(p2p_mutex_);
+      return collectives_;
+    });
   }
   ~SimCollectives() override {
     std::string report = release();
@@ -476,6 +481,7 @@ class SimCollectives final : public c10d::Backend {
     if (claim.first) {  // its wait() blocks until the peer posts the counterpart: a cycle of such waits is reported
       item->blocked = std::make_shared<BlockedWait>(store_, item->group, getRank(), peer, key, op);
       item->on_cycle = [store = store_, size = getSize()](const CycleReport& found) {
+        if (found.ranks.empty()) return;  // the peer is stuck or gone (stuck.cpp): this wait alone hangs behind it
         for (int r = 0; r < size; ++r)  // every other rank of the group (ranks[0]: this one), as cycles() does
           if (r != found.ranks[0])
             store->set(deadlock_key(r), std::vector<uint8_t>(found.report.begin(), found.report.end()));
@@ -573,8 +579,12 @@ class SimCollectives final : public c10d::Backend {
         issued = collectives_;
       }
       try {
+        publish_broken_devices();  // stuck (says more than released), unless the watchdog published it already
+        forget_member(this);
+        publish_gone(*store_, getRank());  // a peer blocked on a send or receive it never posted says so
         publish_released(store_, group(), getRank(), getSize(), global_rank_, issued);  // a blocked member says so
       } catch (const std::exception&) {  // the store is gone: the job is ending
+        forget_member(this);
       }
     }
     std::string report = flush_cycles();

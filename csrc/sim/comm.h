@@ -176,6 +176,7 @@ class BlockedWait {
   void leave();  // the wait is over: its record withdrawn
 
  private:
+  std::string peer_gone();  // "" or the report of a peer stuck or gone before posting the counterpart (stuck.cpp)
   c10::intrusive_ptr<c10d::Store> store_;
   std::string group_;
   int rank_, peer_;
@@ -228,5 +229,40 @@ class CollectiveWait {
   std::chrono::steady_clock::time_point since_, searched_;
   SearchPace pace_;
 };
+
+
+// ---- members that never issue again: stuck behind a report, or gone (stuck.cpp) ----------------------
+// A rank whose device broke with a report (a deadlock found, or told to it: its communicator aborted, as NCCL's)
+// raises that report from every later operation on the device, so it never issues another; on NCCL it hangs where
+// the report was found. A member that released a group issues nothing more on it either. Each is published in the
+// group's store under gone_key(rank), so a peer's wait() blocked on an operation it never issues (a receive whose
+// sender is stuck in a collective on another group; a collective it never issued) raises instead of waiting for the
+// timeout. Both version counters are bumped with it, so a blocked wait's next search reads it.
+constexpr char kBlockedVersion[] = "simccl/blocked/version";   // the group's store (wait_cycle.cpp)
+constexpr char kCollectiveVersion[] = "simccl/cwait/version";  // the job's store (collective_wait.cpp)
+std::string gone_key(int rank);
+// This process's member ``rank`` of the group whose store ``store`` is (its name ``group``; ``issued``: how many of
+// its collectives it issued so far, read when it is published stuck), until forget_member(owner).
+void remember_member(const void* owner, c10::intrusive_ptr<c10d::Store> store, std::string group, int rank,
+                     std::function<int64_t()> issued);
+void forget_member(const void* owner);
+// Device ``index`` broke with ``report``: published once, in every group this process is a member of. Any thread,
+// off every lock (store operations). publish_broken_devices(): every broken device's (at a communicator's release).
+void publish_stuck(int index, const std::string& report);
+void publish_broken_devices();
+// Member ``rank`` released the group whose store ``store`` is: published unless it was published stuck.
+void publish_gone(c10d::Store& store, int rank);
+// What member ``rank`` published (never blocks): stuck (after issuing ``issued`` of the group's collectives, with
+// its ``report``), released, or neither.
+struct Gone {
+  bool stuck = false, released = false;
+  int64_t issued = 0;
+  std::string report;
+};
+Gone member_gone(c10d::Store& store, int rank);
+// Whether a report left for this process by a peer (a point-to-point deadlock, a cycle) waits unread under the
+// report key of a group it watches (comm_queue.cpp): the watchdog breaks the device with that report itself, the
+// same failure a stuck peer's report would say again, so a stuck peer is not reported meanwhile.
+bool report_left_unread();
 
 }  // namespace sim

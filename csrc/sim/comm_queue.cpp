@@ -339,11 +339,13 @@ void poll_p2p_reports(Queue& q, int index) {
     try {
       if (!w.pace->due(now) || !w.store->check({w.key})) continue;
       auto raw = w.store->get(w.key);
-      w.store->deleteKey(w.key);
       std::string report(raw.begin(), raw.end());
       if (w.on_report) w.on_report(report);
-      std::lock_guard<std::mutex> lock(q.m);
-      if (q.broken.empty()) abort_queue(q, report);
+      {
+        std::lock_guard<std::mutex> lock(q.m);
+        if (q.broken.empty()) abort_queue(q, report);
+      }
+      w.store->deleteKey(w.key);  // after the break: report_left_unread() sees the key or the broken device
     } catch (const std::exception&) {  // the store is gone: the job is ending
     }
   }
@@ -368,7 +370,7 @@ void watchdog(int index) {
   Queue& q = g_queues[index];
   for (;;) {
     std::vector<std::shared_ptr<CollectiveWait>> stuck;  // the groups of a deadlock reported here
-    std::string report;
+    std::string report, broken;
     {
       std::unique_lock<std::mutex> lock(q.m);
       if (q.cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return q.stop; })) return;
@@ -378,8 +380,10 @@ void watchdog(int index) {
         report_deadlock(q, index, waited);
         report = q.broken;
       }
+      broken = q.broken;
     }
     tell_members(stuck, report);
+    publish_stuck(index, broken);  // once per report: a peer blocked on an operation this rank never issues raises it
     poll_p2p_reports(q, index);
     poll_blocked(q, index);
     poll_pair_waits(q, index);
@@ -427,6 +431,21 @@ void p2p_activity(const void* owner) {
   std::lock_guard<std::mutex> lock(g_watch_mutex);
   for (const auto& w : g_watches)
     if (w.owner == owner) w.pace->activity.fetch_add(1);
+}
+
+bool report_left_unread() {
+  std::vector<std::pair<c10::intrusive_ptr<c10d::Store>, std::string>> keys;
+  {
+    std::lock_guard<std::mutex> lock(g_watch_mutex);
+    for (const auto& w : g_watches) keys.emplace_back(w.store, w.key);
+  }
+  for (const auto& [store, key] : keys) {
+    try {
+      if (store->check({key})) return true;
+    } catch (const std::exception&) {  // the store is gone: the job is ending
+    }
+  }
+  return false;
 }
 
 void unwatch_p2p(const void* owner) {

@@ -38,7 +38,7 @@ const char kAbsent[] = "\x01";  // compareSet's answer for a key that does not e
 std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
 
 std::string blocked_key(int rank) { return "simccl/blocked/" + std::to_string(rank); }
-const char kVersionKey[] = "simccl/blocked/version";  // bumped at every change of a record of the group
+const char* const kVersionKey = kBlockedVersion;  // bumped at every change of a record of the group (and by stuck.cpp)
 
 void set_record(c10d::Store& store, int rank, const std::string& value) {  // then the version: see SearchPace
   store.set(blocked_key(rank), bytes(value));
@@ -105,6 +105,7 @@ CycleReport BlockedWait::poll() {
     set_record(*store_, rank_, record_);
   }
   if (!pace_.due(store_->add(kVersionKey, 0))) return {};  // no record changed since the last search began
+  if (std::string gone = peer_gone(); !gone.empty()) return {gone, {}};  // told to no one else: ranks empty
   // pass 1: follow the records from this rank's peer until the chain returns here
   std::map<int, std::string> raw{{rank_, record_}};
   std::map<int, Record> records{{rank_, decode(record_)}};
@@ -124,6 +125,22 @@ CycleReport BlockedWait::poll() {
   for (int r : cycle)  // pass 2: every rank still in the same wait
     if (r != rank_ && peek(*store_, blocked_key(r)) != raw[r]) return {};
   return {describe(group_, cycle, records), cycle};
+}
+
+std::string BlockedWait::peer_gone() {
+  Gone g = member_gone(*store_, peer_);
+  if ((!g.stuck && !g.released) || (g.stuck && report_left_unread())) return "";  // said by the report left here
+  std::string value = peek(*store_, key_);  // read after: the counterpart still unposted then, so never posted
+  if (value.empty() || value == kAbsent || value == "+" || value == "!") return "";
+  std::ostringstream os;
+  os << "sim: point-to-point deadlock on group '" << group_ << "': rank " << rank_ << " (of the group) waits in wait() "
+     << "on " << op_ << " for rank " << peer_ << "'s matching operation, which rank " << peer_ << " never issues: ";
+  if (g.stuck)
+    os << "it is stuck (NCCL hangs there, and this wait behind it): " << g.report;
+  else
+    os << "it released the group (destroy_process_group, or its process ended) first; NCCL hangs there: post the "
+          "counterpart of every send and receive before destroying the group";
+  return os.str();
 }
 
 void BlockedWait::leave() {
