@@ -98,9 +98,6 @@ def test_import_resumes_megatrons_adam_moments(root, tmp_path, case, monkeypatch
     from omnitron.core.training.components import build_components
     from omnitron.core.training.step import train_step
 
-    # NOTE: the reference kernels (plain torch: 1 - beta in double, as torch's and Megatron's Adam); the C++ kernel
-    # forms 1 - beta2 in fp32, 1.3e-5 off relative for beta2 0.999, outside this test's bounds
-    monkeypatch.setenv("OMNITRON_KERNELS", "reference")
     out = import_megatron(os.path.join(root, case), str(tmp_path / "omni"), Layout())
     meta = read_metadata(out)
     hint, real = shlex.split(train_hint(str(tmp_path / "omni"), meta).split(": ", 1)[1]), meta["model"]["vocab_size"]
