@@ -235,12 +235,12 @@ std::string CollectiveWait::told() const {
 std::string CollectiveWait::released_member() const {
   for (int i = 0; i < size_; ++i) {
     if (i == rank_) continue;  // this rank waits: it released nothing
-    if (Gone g = member_gone(*group_store_, i); g.stuck && g.issued < k_ && !report_left_unread()) {  // stuck.cpp
+    if (Gone g = member_gone(*group_store_, i); g.stuck && g.completed < k_ && !report_left_unread()) {  // stuck.cpp
       std::ostringstream os;
       os << "sim: collective deadlock on group '" << group_ << "': rank " << global_ << " waits in wait() on " << op_
          << " (collective #" << k_ << " of the group) for rank " << peek(*group_store_, member_key(i)) << " (rank "
-         << i << " of the group), which issued " << g.issued << " of the group's collectives and issues no more: it "
-         << "is stuck (NCCL hangs there, and this wait behind it): " << g.report;
+         << i << " of the group), which completed " << g.completed << " of the group's collectives and runs no "
+         << "more: it is stuck (NCCL hangs there, and this wait behind it): " << g.report;
       return os.str();
     }
     std::string issued = peek(*group_store_, released_key(i));

@@ -72,10 +72,8 @@ class SimCollectives final : public c10d::Backend {
     g_live_communicators.fetch_add(1);
     if (getSize() <= 1) return;
     publish_member(*store_, getRank(), global_rank_);  // read by blocked waits' records
-    remember_member(this, store_, group(), getRank(), [this] {  // published stuck when its device breaks
-      std::lock_guard<std::mutex> lock(p2p_mutex_);
-      return collectives_;
-    });
+    // published stuck when its device breaks, with the count its device completed
+    remember_member(this, store_, group(), getRank(), [completed = completed_] { return completed->load(); });
   }
   ~SimCollectives() override {
     std::string report = release();
@@ -404,6 +402,7 @@ class SimCollectives final : public c10d::Backend {
   void place(const ItemPtr& item, const std::string& detail, const Site& site, const std::string& counts) {
     std::lock_guard<std::mutex> lock(p2p_mutex_);
     ++collectives_;
+    item->completed = completed_;
     last_ = item->describe();
     note_collective_issued(item->group, collectives_);
     if (getSize() > 1)
@@ -671,6 +670,9 @@ class SimCollectives final : public c10d::Backend {
   int watched_device_ = 0;  // the device whose watchdog watches this communicator (watch)
   std::mutex p2p_mutex_;
   int64_t collectives_ = 0, checked_ = 0;
+  // Its collectives the device ran to completion (comm_queue.cpp's finish): what a stuck member is published with,
+  // since one it issued may sit behind the operation it is stuck on, and an aborted queue runs none of them.
+  std::shared_ptr<std::atomic<int64_t>> completed_ = std::make_shared<std::atomic<int64_t>>(0);
   std::string last_;
   std::map<PeerTag, int64_t> sends_, recvs_;
   std::map<int, int64_t> pair_places_;  // unbatched operations issued per peer (NCCL ignores tags)

@@ -241,10 +241,10 @@ class CollectiveWait {
 constexpr char kBlockedVersion[] = "simccl/blocked/version";   // the group's store (wait_cycle.cpp)
 constexpr char kCollectiveVersion[] = "simccl/cwait/version";  // the job's store (collective_wait.cpp)
 std::string gone_key(int rank);
-// This process's member ``rank`` of the group whose store ``store`` is (its name ``group``; ``issued``: how many of
-// its collectives it issued so far, read when it is published stuck), until forget_member(owner).
+// This process's member ``rank`` of the group whose store ``store`` is (its name ``group``; ``completed``: how many
+// of its collectives its device completed so far, read when it is published stuck), until forget_member(owner).
 void remember_member(const void* owner, c10::intrusive_ptr<c10d::Store> store, std::string group, int rank,
-                     std::function<int64_t()> issued);
+                     std::function<int64_t()> completed);
 void forget_member(const void* owner);
 // Device ``index`` broke with ``report``: published once, in every group this process is a member of. Any thread,
 // off every lock (store operations). publish_broken_devices(): every broken device's (at a communicator's release).
@@ -256,7 +256,7 @@ void publish_gone(c10d::Store& store, int rank);
 // its ``report``), released, or neither.
 struct Gone {
   bool stuck = false, released = false;
-  int64_t issued = 0;
+  int64_t completed = 0;  // stuck: how many of the group's collectives its device completed (none completes after)
   std::string report;
 };
 Gone member_gone(c10d::Store& store, int rank);

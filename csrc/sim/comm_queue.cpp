@@ -106,6 +106,7 @@ void finish(Queue& q, const ItemPtr& item, const std::string& error) {
   std::lock_guard<std::mutex> lock(q.m);
   item->error = error;
   item->done = true;
+  if (error.empty() && item->completed) item->completed->fetch_add(1);  // before a waiter can see it done
   if (!q.items.empty() && q.items.front() == item) q.items.pop_front();
   q.cv.notify_all();
 }

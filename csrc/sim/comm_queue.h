@@ -48,6 +48,7 @@ struct Item {
   std::shared_ptr<BlockedWait> blocked;  // with pair_key: a cycle of waits through it (wait_cycle.cpp)
   std::function<void(const CycleReport&)> on_cycle;  // such a cycle found here: the group's other ranks told
   std::shared_ptr<CollectiveWait> cwait;  // a collective: a cycle of waits across groups through it
+  std::shared_ptr<std::atomic<int64_t>> completed;  // a collective: its communicator's count, bumped once it ran
   bool done = false, released = false;
   std::string error;
   void* event = nullptr;  // recorded on the communicator stream after its kernel: what wait() orders after

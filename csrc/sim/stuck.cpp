@@ -4,7 +4,7 @@
 // Told reports (collective_wait.cpp) reach the members of the stuck groups only. A rank blocked in wait() on an
 // operation of another group -- a receive whose sender sits in a deadlocked all-reduce elsewhere -- was told nothing
 // and waited for the full timeout, although on NCCL it hangs behind the sender for good. Here a broken device
-// publishes its report in every group its process is a member of ("S<issued>\t<report>" under gone_key), once, from
+// publishes its report in every group its process is a member of ("S<completed>\t<report>" under gone_key), once, from
 // the device's watchdog (or at a communicator's release, whichever comes first), and a release publishes "R" where
 // nothing was: a peer's blocked wait whose counterpart that member never posted raises it at its next search
 // (BlockedWait::poll, CollectiveWait::poll), since each bump of the version counters makes a search due.
@@ -33,7 +33,7 @@ struct Member {
   c10::intrusive_ptr<c10d::Store> store;
   std::string group;
   int rank;
-  std::function<int64_t()> issued;
+  std::function<int64_t()> completed;  // the group's collectives its device completed (see comm.h)
 };
 std::mutex g_members_mutex;
 std::vector<Member> g_members;  // this process's communicators of groups of two or more
@@ -52,9 +52,9 @@ void publish_once(c10d::Store& store, int rank, const std::string& value) {
 std::string gone_key(int rank) { return "simccl/gone/" + std::to_string(rank); }
 
 void remember_member(const void* owner, c10::intrusive_ptr<c10d::Store> store, std::string group, int rank,
-                     std::function<int64_t()> issued) {
+                     std::function<int64_t()> completed) {
   std::lock_guard<std::mutex> lock(g_members_mutex);
-  g_members.push_back({owner, std::move(store), std::move(group), rank, std::move(issued)});
+  g_members.push_back({owner, std::move(store), std::move(group), rank, std::move(completed)});
 }
 
 void forget_member(const void* owner) {
@@ -70,11 +70,11 @@ void publish_stuck(int index, const std::string& report) {
     auto& published = g_published[index];
     if (report.empty() || published == report) return;
     published = report;
-    for (const auto& m : g_members) to_tell.emplace_back(m, m.issued());
+    for (const auto& m : g_members) to_tell.emplace_back(m, m.completed());
   }
-  for (const auto& [m, issued] : to_tell) {
+  for (const auto& [m, completed] : to_tell) {
     try {
-      publish_once(*m.store, m.rank, "S" + std::to_string(issued) + "\t" + report);
+      publish_once(*m.store, m.rank, "S" + std::to_string(completed) + "\t" + report);
     } catch (const std::exception&) {  // the store is gone: the job is ending
     }
   }
@@ -96,7 +96,7 @@ Gone member_gone(c10d::Store& store, int rank) {
     auto tab = value.find('\t');
     g.stuck = tab != std::string::npos;
     if (g.stuck) {
-      g.issued = std::stoll(value.substr(1, tab - 1));
+      g.completed = std::stoll(value.substr(1, tab - 1));
       g.report = value.substr(tab + 1);
     }
   }

@@ -24,6 +24,12 @@ FAST_S = 10.0  # found a few polls (0.05 s + 0.1 s each) after the last rank blo
 GROUPS = ([0, 1, 2], [0, 1, 2])
 BRIEF = [[(0, True), (1, True)], [(1, True), (0, True)], [(0, True), (1, True)]]
 """Ranks 0 and 2 wait on group 0's all-reduce before they issue group 1's; rank 1 the other way round."""
+SEED_2089903283 = [[(1, False), (0, False), (0, True), (1, True), (1, False)],
+                   [(1, True), (1, False), (0, False), (1, True), (0, False)],
+                   [(1, True), (0, True), (0, True), (1, True), (1, False)]]
+"""A wait() cycle through ranks 0 and 1 (rank 0 waits on group 0's #2, behind its #1, which rank 1 issued behind
+its group-1 #2, which rank 0 has not issued) and rank 2 outside it, waiting on group 0's #1: issued by every member,
+so the members' issued counts did not say that rank 1's device never runs it."""
 SEED_616811642 = [[(1, False), (0, True), (1, False), (1, True), (0, False)],
                   [(0, False), (1, True), (1, True), (0, True), (1, True)],
                   [(0, False), (1, True), (0, True), (1, True), (1, True)]]
@@ -194,6 +200,22 @@ def test_cross_group_wait_cycles_fail_fast(drawn):
         assert m.count(" waits in wait() on all_reduce on group '") >= 2, (seed, m)
         assert m.count("test_sim_cross_group_wait.py") == m.count(" waits in wait() on "), (seed, m)
         assert r["s"] < FAST_S and r["wrong"] == 0, (seed, r["s"], m)
+
+
+def test_a_rank_waiting_behind_a_cycle_it_is_not_in_fails_fast():
+    """SEED_2089903283: ranks 0 and 1 name their cycle; rank 2, waiting on a collective its stuck peers issued but
+    will never run, names one of them as stuck (neither completed any of group 0's) with the cycle's report, within
+    FAST_S (it waited for gloo's connection to close, and got that line, before)."""
+    assert not model(SEED_2089903283, False) and wait_cycle(SEED_2089903283)
+    got = run_distributed(run_programs, 3, [SEED_2089903283], 0, backend="sim", env=ENV, timeout_s=150)
+    cycle = "sim: collective wait() cycle deadlock across groups through ranks 0, 1: "
+    for r in got:
+        assert "\n" not in r["error"] and cycle in r["error"] and r["s"] < FAST_S and r["wrong"] == 0, r
+    m = got[2]["error"]
+    assert m.startswith("sim: collective deadlock on group '") and " waits in wait() on all_reduce " in m, m
+    assert any(f"(rank {i} of the group), which completed 0 of the group's collectives and runs no more: it is stuck"
+               in m for i in (0, 1)), m  # either member of the cycle: neither ran group 0's #1
+    assert not got[0]["error"].startswith("sim: collective deadlock on group '"), got[0]["error"]
 
 
 def test_queue_order_stop_is_the_bounds_report():

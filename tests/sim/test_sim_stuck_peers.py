@@ -81,7 +81,7 @@ def test_a_wait_on_a_stuck_peer_raises_its_report(batched):
     assert m.count("test_sim_stuck_peers.py") == 2, m  # the receive's call site and the all-reduce's
     m = r3["error"]
     assert m.startswith("sim: collective deadlock on group '") and "rank 3 waits in wait() on all_reduce" in m, m
-    assert "for rank 0 (rank 0 of the group), which issued 0 of the group's collectives and issues no more" in m, m
+    assert "for rank 0 (rank 0 of the group), which completed 0 of the group's collectives and runs no more" in m, m
     assert "which rank 1 never issues" in m and released in m, m  # rank 0's report, which holds rank 1's
     for r in (r0, r1, r3):
         assert r["s"] < FAST_S, (r0, r1, r3)
