@@ -94,6 +94,23 @@ def _threads_share():
         yield
 
 
+@pytest.fixture(autouse=True)
+def _kernel_pins_stay_in_their_test():
+    """A test that pinned kernels (``monkeypatch.setenv("OMNITRON_KERNELS", ...)``) and resolved a backend's kernel
+    table under the pin leaves that table cached on the backend instance after the pin is undone: later tests in the
+    worker then ran the pinned kernels (the reference's, so kernel checks skipped as "compared with itself" and plan
+    probes priced unfused ops). A table resolved under another value than the one now set is dropped."""
+    yield
+    from omnitron.backends import registry
+    from omnitron.kernels.registry import ENV_VAR
+
+    now = os.environ.get(ENV_VAR, "").strip()
+    for backend in registry._instances.values():
+        table = getattr(backend, "_kernel_table", None)
+        if table is not None and table.env != now:
+            backend._kernel_table = None
+
+
 def _prepare_musa_double(name: str) -> None:
     """Where tests install the MUSA double in this process (cpu and musa-double sessions), name PrivateUse1
     ``musa`` now, before any backward: autograd sizes its device queues once, at the first backward. Not on

@@ -224,6 +224,8 @@ class KernelTable:
 
     def __init__(self, backend: str, preference: tuple[str, ...]) -> None:
         self.backend = backend
+        self.env = os.environ.get(ENV_VAR, "").strip()
+        """The ``OMNITRON_KERNELS`` it was resolved under (a table outliving a changed one is stale)."""
         order, pins = _parse_env()
         _check_pins(pins)
         self.preference = order or preference
