@@ -34,7 +34,7 @@ def test_the_walk_lists_the_slow_searchs_layouts_pricing_only_what_its_bound_all
     """Fresh rates and a memory limit at a random one of the 12 fastest layouts' peaks (so the walk skips layouts
     that do not fit): the same layouts in the same order with the same step times and peaks (the same arithmetic
     on the same inputs: equal to the last bit), and every layout the walk priced could, by its lower bound, have
-    been faster than the last one listed (the time-independent cost: fewer than half the candidates here)."""
+    been faster than the last one listed."""
     import omnitron.plan.speed as speed
     from omnitron.plan.memory import estimate
     from omnitron.plan.recommend import recommend
@@ -65,4 +65,5 @@ def test_the_walk_lists_the_slow_searchs_layouts_pricing_only_what_its_bound_all
     tokens = GIVEN["global_batch_size"] * GIVEN["seq_length"]
     for s in priced:
         assert tokens / speed.step_lower_bound(s, rates) >= slowest
-    assert len(priced) < len(ranked) / 2, (len(priced), len(ranked))
+    # NOTE: how many that is (234 of 3,994 for llama3_8b on 64 devices, BENCHMARKS.md) is a speed figure, not held
+    # here: with communication-bound rates the bounds stay close to the listed times (137 of 194 in one draw)
