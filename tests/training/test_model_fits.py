@@ -34,7 +34,7 @@ def _argv(h: int, layers: int, vocab: int, seq: int = 16) -> list[str]:
 
 
 def _hand_bytes(h: int, layers: int, vocab: int, seq: int) -> int:
-    padded = -(-vocab // 128) * 128
+    padded = -(-(vocab + 1) // 128) * 128  # Megatron's NullTokenizer adds the end-of-document id: vocab + 1 rows
     params = padded * h + seq * h + layers * (12 * h * h + 13 * h) + 2 * h
     return 16 * params
 
