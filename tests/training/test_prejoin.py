@@ -450,6 +450,13 @@ def _two_agents(tmp_path, how: str, rendezvous: str, waiter: int, join_s: float 
     return outs, ended, agents
 
 
+def _waiter_first(outs: dict, ended: dict, said: str) -> tuple[int, str, str, float]:
+    """Which agent says ``said``, its output and the other's, and how long after the other's end it ended."""
+    waited = next((n for n in outs if said in outs[n]), None)
+    assert waited is not None, outs
+    return waited, outs[waited], outs[1 - waited], ended[waited] - ended[1 - waited]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["refused", "killed"])
 @pytest.mark.parametrize("rendezvous", ["static", "rank 0's store"])
@@ -463,9 +470,7 @@ def test_two_nodes_peer_of_a_failed_rank_exits_promptly(tmp_path, how, rendezvou
     import socket
 
     outs, ended, agents = _two_agents(tmp_path, how, rendezvous, waiter=0)
-    waited = next((n for n in outs if "rank 0: lost a peer" in outs[n]), None)
-    assert waited is not None, outs
-    out0, out1, took = outs[waited], outs[1 - waited], ended[waited] - ended[1 - waited]
+    waited, out0, out1, took = _waiter_first(outs, ended, "rank 0: lost a peer")
     if how == "refused":
         assert "--vocab-file /nonexistent/vocab.json: file not found" in out1, out1[-3000:]
         said = "rank 1 failed before joining the job: --vocab-file /nonexistent/vocab.json: file not found"
@@ -487,9 +492,7 @@ def test_two_nodes_peer_of_a_failed_rank_0_hosting_the_store_exits_promptly(tmp_
     rank 0 (before: rank 0 posted nothing and hosted nothing before its join, and rank 1 waited 300 s for the
     store)."""
     outs, ended, agents = _two_agents(tmp_path, how, "rank 0's store", waiter=1)
-    waited = next((n for n in outs if "rank 1: lost a peer" in outs[n]), None)
-    assert waited is not None, outs
-    out1, out0, took = outs[waited], outs[1 - waited], ended[waited] - ended[1 - waited]
+    waited, out1, out0, took = _waiter_first(outs, ended, "rank 1: lost a peer")
     if how == "rank 0 refused":
         assert "error: --data-cache-path /node0: not writable on this node" in out0, out0[-3000:]
         said = "rank 0 failed before joining the job: --data-cache-path /node0: not writable on this node"
